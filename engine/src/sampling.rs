@@ -1,0 +1,1 @@
+//! Sampling: turns one row of logits into the next token.

@@ -1,0 +1,1 @@
+//! Stop strings over a stream of generated text.
