@@ -5,7 +5,33 @@
 //! the frames that describe a save or a restore. Everything here is synchronous and owns no KV
 //! bytes: the engine holds the bytes, this crate decides where they go. It never knows about
 //! actix or CUDA.
+//!
+//! - [`geometry`]: the KV shape and the byte sizes derived from it.
+//! - [`ids`]: slot, generation, snapshot and backing identifiers.
+//! - [`pool`]: the working pool ([`PagePool`]).
+//! - [`prefix`]: chained page hashes ([`PrefixHasher`]).
+//! - [`store`]: the snapshot store ([`SnapshotStore`]).
+//! - [`plan`]: page copies between snapshots and the pool.
+//! - [`frame`]: the validated record of a save or restore ([`Frame`]).
+//! - [`error`]: the crate's one error type, [`CacheError`].
 
+pub mod error;
+pub mod frame;
 pub mod geometry;
+pub mod ids;
+pub mod plan;
+pub mod pool;
+pub mod prefix;
+pub mod store;
 
-pub use geometry::{KvGeometry, PageId};
+pub use error::CacheError;
+pub use frame::{FRAME_LEN, Frame, FrameKind, payload_crc32};
+pub use geometry::{KvGeometry, PageId, SnapshotGeometry};
+pub use ids::{BackingId, Generation, SlotHandle, SlotId, SnapshotId};
+pub use plan::PageCopy;
+pub use pool::{PagePool, PoolConfig, PoolStats};
+pub use prefix::{PrefixHash, PrefixHasher, PrefixSalt};
+pub use store::{
+    Eviction, LookupHit, RestorePlan, SaveReservation, SaveStart, SnapshotInfo, SnapshotState,
+    SnapshotStore, StoreStats, Tier, TierStats,
+};

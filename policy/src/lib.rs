@@ -4,3 +4,24 @@
 //! validated here into the runtime structs the rest of the server is built from. The policies a
 //! configuration chooses (eviction, reservation, back-off, admission) live here too, as plain
 //! synchronous Rust tested without a runtime. This crate depends on nothing else of ours.
+//!
+//! - [`config`]: the raw TOML sections and their validation into [`Policies`].
+//! - [`eviction`]: the order in which unpinned snapshots are given up ([`EvictionPolicy`], [`Lru`]).
+//! - [`reservation`]: how many tokens a sequence reserves at admission ([`ReservationPolicy`]).
+//! - [`backoff`]: per-job capped exponential back-off with jitter ([`Backoff`]).
+//! - [`error`]: the crate's one error type, [`PolicyError`].
+
+pub mod backoff;
+pub mod config;
+pub mod error;
+pub mod eviction;
+pub mod reservation;
+
+pub use backoff::{Backoff, BackoffPolicy, BackoffStep, OnExhausted};
+pub use config::{
+    AdmissionConfig, AdmissionPolicy, BackoffConfig, CacheConfig, CachePolicy, Config, Policies,
+    PoolSize, SnapshotConfig, SnapshotPolicy,
+};
+pub use error::PolicyError;
+pub use eviction::{EvictionKind, EvictionPolicy, Lru};
+pub use reservation::ReservationPolicy;

@@ -1,0 +1,162 @@
+//! Chained hashes of full pages of token ids: the key under which snapshots are found.
+//!
+//! Owns the hash function, the salt and the chain. Page `i`'s hash covers the salt and every
+//! token of pages `0..=i`, so equal prefixes under equal salts give equal chains, one hash names
+//! its whole prefix, and the store can match a query page by page. A trailing partial page is
+//! never hashed: snapshots are page-aligned. This module never looks anything up.
+//!
+//! The function is SHA-256 of (parent hash, the page's tokens as little-endian `u32`), truncated
+//! to 64 bits. Not FNV or xxHash: prompts are user input, and with a non-cryptographic hash a
+//! tenant can build a page that collides with another tenant's prefix and be served that
+//! tenant's KV (vLLM GHSA-rm76-4mrf-v9r8; vLLM made SHA-256 its default in v0.10.2). Truncated
+//! SHA-256 keeps a second preimage at 2^64 work. Hashing is done once per request, off the
+//! per-step path, at about 140 ns a 16-token page (BENCHMARKS.md); lookups only compare the
+//! 64-bit values. The salt's fields are tagged and length-prefixed so that a model name can
+//! never be mistaken for an adapter name.
+
+use sha2::{Digest, Sha256};
+
+/// The hash of one page-aligned prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PrefixHash(pub u64);
+
+/// What makes the same tokens mean different KV: the model and the adapter. It seeds every
+/// chain, so snapshots of one model are never found for another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PrefixSalt(pub u64);
+
+const DOMAIN: &[u8] = b"snapserve prefix chain v1";
+
+impl PrefixSalt {
+    /// The salt for `model` (a name or content digest) with an optional adapter.
+    pub fn new(model: &str, adapter: Option<&str>) -> PrefixSalt {
+        let mut hasher = Sha256::new();
+        hasher.update(DOMAIN);
+        absorb_field(&mut hasher, b'm', model.as_bytes());
+        if let Some(adapter) = adapter {
+            absorb_field(&mut hasher, b'a', adapter.as_bytes());
+        }
+        PrefixSalt(truncate(hasher))
+    }
+}
+
+fn absorb_field(hasher: &mut Sha256, tag: u8, bytes: &[u8]) {
+    hasher.update([tag]);
+    hasher.update((bytes.len() as u64).to_le_bytes());
+    hasher.update(bytes);
+}
+
+fn truncate(hasher: Sha256) -> u64 {
+    let digest = hasher.finalize();
+    let mut head = [0u8; 8];
+    head.copy_from_slice(&digest[..8]);
+    u64::from_le_bytes(head)
+}
+
+/// Hashes token sequences into chains, one hash per full page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixHasher {
+    salt: PrefixSalt,
+    page_tokens: usize,
+}
+
+impl PrefixHasher {
+    pub fn new(salt: PrefixSalt, page_tokens: usize) -> PrefixHasher {
+        assert!(page_tokens > 0, "a page holds at least one token");
+        PrefixHasher { salt, page_tokens }
+    }
+
+    pub fn page_tokens(&self) -> usize {
+        self.page_tokens
+    }
+
+    /// The chain of every full page of `tokens`.
+    pub fn chain(&self, tokens: &[u32]) -> Vec<PrefixHash> {
+        let mut chain = Vec::with_capacity(tokens.len() / self.page_tokens);
+        self.extend(&mut chain, tokens);
+        chain
+    }
+
+    /// Appends to `chain` (the chain of a prefix of `tokens`) the hashes of the full pages of
+    /// `tokens` it does not cover yet, so a growing sequence is hashed once per page.
+    pub fn extend(&self, chain: &mut Vec<PrefixHash>, tokens: &[u32]) {
+        let mut parent = chain.last().map_or(self.salt.0, |hash| hash.0);
+        let done = chain.len() * self.page_tokens;
+        for page in tokens
+            .get(done..)
+            .unwrap_or_default()
+            .chunks_exact(self.page_tokens)
+        {
+            parent = page_hash(parent, page);
+            chain.push(PrefixHash(parent));
+        }
+    }
+}
+
+fn page_hash(parent: u64, page: &[u32]) -> u64 {
+    let mut hasher = Sha256::new();
+    hasher.update(parent.to_le_bytes());
+    for token in page {
+        hasher.update(token.to_le_bytes());
+    }
+    truncate(hasher)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hasher() -> PrefixHasher {
+        PrefixHasher::new(PrefixSalt::new("smollm2-135m", None), 4)
+    }
+
+    #[test]
+    fn one_hash_per_full_page_and_none_for_the_tail() {
+        let h = hasher();
+        assert_eq!(h.chain(&[1, 2, 3]).len(), 0);
+        assert_eq!(h.chain(&[1, 2, 3, 4]).len(), 1);
+        assert_eq!(h.chain(&[1, 2, 3, 4, 5, 6, 7, 8, 9]).len(), 2);
+    }
+
+    #[test]
+    fn equal_prefixes_give_equal_chains_and_a_difference_propagates() {
+        let h = hasher();
+        let a = h.chain(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]);
+        let b = h.chain(&[1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0, 7]);
+        let c = h.chain(&[9, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(a[..2], b[..2]);
+        assert_ne!(a[2], b[2]);
+        assert_ne!(a[0], c[0]);
+        assert_ne!(a[1], c[1], "page 1 is equal but its parent differs");
+    }
+
+    #[test]
+    fn the_salt_separates_models_and_adapters() {
+        let tokens = [1, 2, 3, 4];
+        let chain =
+            |model, adapter| PrefixHasher::new(PrefixSalt::new(model, adapter), 4).chain(&tokens);
+        assert_ne!(chain("a", None), chain("b", None));
+        assert_ne!(chain("a", None), chain("a", Some("lora")));
+        assert_ne!(chain("ab", None), chain("a", Some("b")));
+        assert_eq!(chain("a", Some("lora")), chain("a", Some("lora")));
+    }
+
+    #[test]
+    fn extending_a_chain_equals_hashing_the_whole_sequence() {
+        let h = hasher();
+        let tokens: Vec<u32> = (0..23).collect();
+        let mut chain = h.chain(&tokens[..6]);
+        h.extend(&mut chain, &tokens[..13]);
+        h.extend(&mut chain, &tokens);
+        assert_eq!(chain, h.chain(&tokens));
+    }
+
+    #[test]
+    fn the_chain_is_stable_across_builds() {
+        // Chains travel in frames to disk and to peers, so the function must never drift.
+        let h = PrefixHasher::new(PrefixSalt::new("m", None), 2);
+        assert_eq!(h.chain(&[1, 2]), vec![PrefixHash(STABLE_FIRST_PAGE)]);
+    }
+
+    const STABLE_FIRST_PAGE: u64 = 10_113_492_102_850_860_943;
+}

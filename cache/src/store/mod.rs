@@ -1,0 +1,628 @@
+//! The budgeted snapshot store: what is saved, where, what it costs, and what goes when room is
+//! needed.
+//!
+//! Owns the snapshot index (prefix lookup), the per-tier budgets and charges, recency, pins and
+//! the save, demotion and restore state machines. It never holds KV bytes and never refers to
+//! working-pool pages: every snapshot is backed by its own buffer, named by a [`BackingId`] the
+//! engine maps to memory it owns (seed 002: a snapshot that pointed into reusable pool rows
+//! restored someone else's bytes). It never depends on the pool; pool pages only appear in the
+//! copy plans it hands back.
+//!
+//! Promises, each tested:
+//! - A snapshot's bytes are charged before its buffer exists; a charge that does not fit evicts
+//!   unpinned snapshots in eviction order until it does, and one that cannot fit is refused
+//!   having evicted and charged nothing.
+//! - Recency is by last use: a lookup hit, a restore and a save refresh the snapshot actually
+//!   used; a demotion is not a use.
+//! - A save is two-phase: `begin_save` charges and reserves, `commit_save` publishes after the
+//!   copy succeeded, `abort_save` refunds. An unpublished snapshot is never found, restored or
+//!   evicted.
+//! - A pinned snapshot (a restore in flight) is never evicted.
+//!
+//! Snapshot life: `Saving` → `Ready` (↔ pinned while restoring) → evicted, or → `Demoting` (its
+//! bytes on their way from the device tier to the host tier) → `Ready` on the host tier.
+
+mod index;
+mod tier;
+
+use std::mem;
+
+use policy::SnapshotPolicy;
+
+use crate::error::CacheError;
+use crate::frame::{Frame, FrameKind};
+use crate::geometry::{PageId, SnapshotGeometry};
+use crate::ids::{BackingId, SlotHandle, SnapshotId};
+use crate::plan::{PageCopy, page_copies};
+use crate::prefix::PrefixHash;
+use index::{PrefixIndex, U64Map};
+use tier::TierState;
+pub use tier::{Tier, TierStats};
+
+/// Where a snapshot is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotState {
+    /// Charged, its copy in flight; not findable.
+    Saving,
+    /// Published: findable, restorable, evictable when unpinned.
+    Ready,
+    /// Charged to the host tier, its copy from the device tier in flight; not findable.
+    Demoting,
+}
+
+/// What the store knows of one snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SnapshotInfo {
+    pub id: SnapshotId,
+    pub tokens: usize,
+    pub pages: usize,
+    pub bytes: u64,
+    pub tier: Tier,
+    pub backing: BackingId,
+    pub state: SnapshotState,
+    /// Restores in flight.
+    pub pins: u32,
+}
+
+/// A successful lookup: restoring `snapshot` saves prefilling its `tokens`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LookupHit {
+    pub snapshot: SnapshotId,
+    pub tokens: usize,
+    pub pages: usize,
+    pub tier: Tier,
+}
+
+/// A charged, unpublished snapshot: the engine copies into `backing`, then hands this back to
+/// `commit_save` or `abort_save`. Only the store makes one.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a reservation holds budget until it is committed or aborted"]
+pub struct SaveReservation {
+    snapshot: SnapshotId,
+    backing: BackingId,
+    tier: Tier,
+    pages: usize,
+    bytes: u64,
+    geometry: SnapshotGeometry,
+}
+
+impl SaveReservation {
+    pub fn snapshot(&self) -> SnapshotId {
+        self.snapshot
+    }
+    /// The buffer to allocate and copy into.
+    pub fn backing(&self) -> BackingId {
+        self.backing
+    }
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+    pub fn tokens(&self) -> usize {
+        self.pages * self.geometry.kv.page_tokens
+    }
+    /// Bytes charged, and the size of the buffer to allocate.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The pool pages to copy from: the head of the saving sequence's `page_table`.
+    pub fn copies(&self, page_table: &[PageId]) -> Result<Vec<PageCopy>, CacheError> {
+        page_copies(self.pages, page_table)
+    }
+
+    /// The frame describing this save from `slot`, once the copy's checksum is known.
+    pub fn frame(&self, slot: SlotHandle, payload_crc32: u32) -> Frame {
+        let position_tokens = self.tokens() as u64;
+        Frame::new(
+            FrameKind::Save,
+            self.snapshot,
+            slot,
+            position_tokens,
+            self.bytes,
+            payload_crc32,
+            self.geometry,
+        )
+    }
+}
+
+/// A snapshot that left a tier to make room. The engine must act on every eviction before it
+/// allocates the new save's buffer, so the tier's memory never holds more than its budget:
+/// free `backing`, after first copying it into `demoted_to` when that is set (then report
+/// `commit_demotion` or `abort_demotion`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Eviction {
+    pub snapshot: SnapshotId,
+    pub from: Tier,
+    pub backing: BackingId,
+    pub bytes: u64,
+    /// The host-tier buffer the snapshot moves to, if it was demoted rather than dropped.
+    pub demoted_to: Option<BackingId>,
+}
+
+/// The answer to `begin_save`.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a reservation holds budget until it is committed or aborted"]
+pub enum SaveStart {
+    /// Charged; copy, then commit or abort. `evictions` made the room.
+    Reserved {
+        reservation: SaveReservation,
+        evictions: Vec<Eviction>,
+    },
+    /// This prefix is already stored (or being saved); it was refreshed and nothing was charged.
+    AlreadyStored(SnapshotId),
+}
+
+/// A pinned snapshot and the copies that restore it: row `snapshot_page` of `backing` goes to
+/// pool page `pool_page`. Hand the snapshot back to `finish_restore` when the copies are done.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RestorePlan {
+    pub snapshot: SnapshotId,
+    pub backing: BackingId,
+    pub tier: Tier,
+    pub tokens: usize,
+    pub bytes: u64,
+    pub copies: Vec<PageCopy>,
+    geometry: SnapshotGeometry,
+}
+
+impl RestorePlan {
+    /// The frame describing this restore into `slot`.
+    pub fn frame(&self, slot: SlotHandle, payload_crc32: u32) -> Frame {
+        let position_tokens = self.tokens as u64;
+        Frame::new(
+            FrameKind::Restore,
+            self.snapshot,
+            slot,
+            position_tokens,
+            self.bytes,
+            payload_crc32,
+            self.geometry,
+        )
+    }
+}
+
+/// The store's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreStats {
+    pub device: TierStats,
+    pub host: TierStats,
+    pub hits: u64,
+    pub misses: u64,
+    /// Snapshots that left a tier to make room, demoted ones included.
+    pub evictions: u64,
+    pub demotions: u64,
+    pub refusals: u64,
+    pub saves_committed: u64,
+    pub saves_aborted: u64,
+}
+
+#[derive(Debug, Clone)]
+enum State {
+    /// The strided boundaries of the chain are kept until publication, when the index needs
+    /// them.
+    Saving {
+        boundaries: Box<[PrefixHash]>,
+    },
+    Ready,
+    Demoting,
+}
+
+#[derive(Debug, Clone)]
+struct Snapshot {
+    end: PrefixHash,
+    pages: usize,
+    bytes: u64,
+    tier: Tier,
+    backing: BackingId,
+    state: State,
+    pins: u32,
+    last_use: u64,
+}
+
+impl Snapshot {
+    fn public_state(&self) -> SnapshotState {
+        match self.state {
+            State::Saving { .. } => SnapshotState::Saving,
+            State::Ready => SnapshotState::Ready,
+            State::Demoting => SnapshotState::Demoting,
+        }
+    }
+}
+
+/// The snapshot store. See the module documentation for what it promises.
+#[derive(Debug)]
+pub struct SnapshotStore {
+    geometry: SnapshotGeometry,
+    demote_to_host: bool,
+    tiers: [TierState; 2],
+    snapshots: U64Map<SnapshotId, Snapshot>,
+    index: PrefixIndex,
+    /// Logical time of the latest use; stamps recency.
+    clock: u64,
+    /// The last ids handed out; ids start at 1 and are never reused.
+    next_snapshot: u64,
+    next_backing: u64,
+    counters: Counters,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Counters {
+    hits: u64,
+    misses: u64,
+    evictions: u64,
+    demotions: u64,
+    refusals: u64,
+    saves_committed: u64,
+    saves_aborted: u64,
+}
+
+impl SnapshotStore {
+    pub fn new(geometry: SnapshotGeometry, policy: &SnapshotPolicy) -> SnapshotStore {
+        SnapshotStore {
+            geometry,
+            demote_to_host: policy.demote_to_host(),
+            tiers: [
+                TierState::new(
+                    Tier::Device,
+                    policy.device_budget_bytes(),
+                    policy.eviction(),
+                ),
+                TierState::new(Tier::Host, policy.host_budget_bytes(), policy.eviction()),
+            ],
+            snapshots: U64Map::default(),
+            index: PrefixIndex::default(),
+            clock: 0,
+            next_snapshot: 0,
+            next_backing: 0,
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn geometry(&self) -> SnapshotGeometry {
+        self.geometry
+    }
+
+    fn tier(&self, tier: Tier) -> &TierState {
+        &self.tiers[tier.index()]
+    }
+
+    fn tier_mut(&mut self, tier: Tier) -> &mut TierState {
+        &mut self.tiers[tier.index()]
+    }
+
+    fn snapshot(&self, id: SnapshotId) -> Result<&Snapshot, CacheError> {
+        self.snapshots
+            .get(&id)
+            .ok_or(CacheError::UnknownSnapshot { snapshot: id })
+    }
+
+    /// The snapshot `id` in `expected` state, or why not.
+    fn snapshot_in(
+        &mut self,
+        id: SnapshotId,
+        expected: SnapshotState,
+    ) -> Result<&mut Snapshot, CacheError> {
+        let snapshot = self
+            .snapshots
+            .get_mut(&id)
+            .ok_or(CacheError::UnknownSnapshot { snapshot: id })?;
+        let found = snapshot.public_state();
+        if found != expected {
+            return Err(CacheError::WrongState {
+                snapshot: id,
+                expected,
+                found,
+            });
+        }
+        Ok(snapshot)
+    }
+
+    /// Advances the logical clock that stamps uses.
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Records a use of a published snapshot now.
+    fn touch(&mut self, id: SnapshotId) {
+        let now = self.tick();
+        let snapshot = self
+            .snapshots
+            .get_mut(&id)
+            .expect("only stored snapshots are touched");
+        if matches!(snapshot.state, State::Ready) {
+            snapshot.last_use = now;
+            let tier = snapshot.tier;
+            self.tier_mut(tier).order.touch(&id, now);
+        }
+    }
+
+    /// Starts saving the prefix `chain` into `tier`: charges its bytes, evicting unpinned
+    /// snapshots in eviction order as needed, and reserves a backing buffer. Refused, having
+    /// changed nothing, if it cannot fit.
+    pub fn begin_save(
+        &mut self,
+        chain: &[PrefixHash],
+        tier: Tier,
+    ) -> Result<SaveStart, CacheError> {
+        let end = *chain.last().ok_or(CacheError::EmptyPrefix)?;
+        if let Some(existing) = self.index.ending_at(end) {
+            self.touch(existing);
+            return Ok(SaveStart::AlreadyStored(existing));
+        }
+        let bytes = self.geometry.bytes_for_pages(chain.len());
+        let snapshots = &self.snapshots;
+        let planned = self.tier(tier).plan_room(bytes, |id| {
+            let victim = &snapshots[&id];
+            (victim.pins == 0).then_some(victim.bytes)
+        });
+        let victims = planned.inspect_err(|_| self.counters.refusals += 1)?;
+        let evictions = victims
+            .into_iter()
+            .map(|victim| self.evict(victim))
+            .collect();
+        let reservation = self.reserve(chain, tier, bytes);
+        Ok(SaveStart::Reserved {
+            reservation,
+            evictions,
+        })
+    }
+
+    fn reserve(&mut self, chain: &[PrefixHash], tier: Tier, bytes: u64) -> SaveReservation {
+        self.next_snapshot += 1;
+        let snapshot = SnapshotId(self.next_snapshot);
+        let backing = self.new_backing();
+        let end = *chain.last().expect("begin_save refuses an empty chain");
+        self.index.claim(end, snapshot);
+        self.tier_mut(tier).charge(bytes);
+        let state = State::Saving {
+            boundaries: index::strided(chain),
+        };
+        let pages = chain.len();
+        let record = Snapshot {
+            end,
+            pages,
+            bytes,
+            tier,
+            backing,
+            state,
+            pins: 0,
+            last_use: 0,
+        };
+        self.snapshots.insert(snapshot, record);
+        SaveReservation {
+            snapshot,
+            backing,
+            tier,
+            pages,
+            bytes,
+            geometry: self.geometry,
+        }
+    }
+
+    fn new_backing(&mut self) -> BackingId {
+        self.next_backing += 1;
+        BackingId(self.next_backing)
+    }
+
+    /// Takes `id` out of its tier: demoted to the host tier when the policy allows and the host
+    /// has room without evicting, dropped otherwise.
+    fn evict(&mut self, id: SnapshotId) -> Eviction {
+        let snapshot = &self.snapshots[&id];
+        let (from, backing, bytes) = (snapshot.tier, snapshot.backing, snapshot.bytes);
+        let tier = self.tier_mut(from);
+        tier.order.remove(&id);
+        tier.refund(bytes);
+        self.counters.evictions += 1;
+        let demote = from == Tier::Device
+            && self.demote_to_host
+            && self.tier(Tier::Host).room_bytes() >= bytes;
+        let demoted_to = if demote {
+            Some(self.demote(id))
+        } else {
+            self.forget(id);
+            None
+        };
+        Eviction {
+            snapshot: id,
+            from,
+            backing,
+            bytes,
+            demoted_to,
+        }
+    }
+
+    /// Moves an evicted device snapshot to the host tier, unfindable until its copy lands.
+    fn demote(&mut self, id: SnapshotId) -> BackingId {
+        let backing = self.new_backing();
+        let snapshot = self.snapshots.get_mut(&id).expect("a victim is stored");
+        snapshot.tier = Tier::Host;
+        snapshot.backing = backing;
+        snapshot.state = State::Demoting;
+        let bytes = snapshot.bytes;
+        self.tier_mut(Tier::Host).charge(bytes);
+        self.counters.demotions += 1;
+        backing
+    }
+
+    /// Drops `id` from the records and the index; refunding its charge is the caller's job.
+    fn forget(&mut self, id: SnapshotId) -> Snapshot {
+        let snapshot = self
+            .snapshots
+            .remove(&id)
+            .expect("only stored snapshots are forgotten");
+        match snapshot.state {
+            State::Saving { .. } => self.index.unclaim(snapshot.end),
+            State::Ready | State::Demoting => self.index.unpublish(snapshot.end, snapshot.pages),
+        }
+        snapshot
+    }
+
+    /// The copy into the reservation's buffer succeeded: publish the snapshot. A save is a use.
+    pub fn commit_save(&mut self, reservation: SaveReservation) -> Result<SnapshotId, CacheError> {
+        let id = reservation.snapshot;
+        let now = self.tick();
+        let snapshot = self.snapshot_in(id, SnapshotState::Saving)?;
+        let State::Saving { boundaries } = mem::replace(&mut snapshot.state, State::Ready) else {
+            unreachable!("snapshot_in checked the state");
+        };
+        snapshot.last_use = now;
+        let (tier, end, pages) = (snapshot.tier, snapshot.end, snapshot.pages);
+        self.index.publish(end, pages, &boundaries);
+        self.tier_mut(tier).order.insert(id, now);
+        self.counters.saves_committed += 1;
+        Ok(id)
+    }
+
+    /// The copy failed: refund the charge and forget the snapshot, leaving no trace.
+    pub fn abort_save(&mut self, reservation: SaveReservation) -> Result<(), CacheError> {
+        let id = reservation.snapshot;
+        self.snapshot_in(id, SnapshotState::Saving)?;
+        let snapshot = self.forget(id);
+        self.tier_mut(snapshot.tier).refund(snapshot.bytes);
+        self.counters.saves_aborted += 1;
+        Ok(())
+    }
+
+    /// A demotion's copy landed: the snapshot is findable again, on the host tier, keeping the
+    /// recency of its last real use.
+    pub fn commit_demotion(&mut self, id: SnapshotId) -> Result<(), CacheError> {
+        let snapshot = self.snapshot_in(id, SnapshotState::Demoting)?;
+        snapshot.state = State::Ready;
+        let last_use = snapshot.last_use;
+        self.tier_mut(Tier::Host).order.insert(id, last_use);
+        Ok(())
+    }
+
+    /// A demotion's copy failed: the snapshot is gone and its host charge refunded.
+    pub fn abort_demotion(&mut self, id: SnapshotId) -> Result<(), CacheError> {
+        self.snapshot_in(id, SnapshotState::Demoting)?;
+        let snapshot = self.forget(id);
+        self.tier_mut(Tier::Host).refund(snapshot.bytes);
+        Ok(())
+    }
+
+    /// The published snapshot covering the longest prefix of `chain` (whole snapshots only: its
+    /// every page must match). A hit is a use.
+    pub fn lookup_longest(&mut self, chain: &[PrefixHash]) -> Option<LookupHit> {
+        let snapshots = &self.snapshots;
+        let found = self.index.longest(chain, |id, pages| {
+            let snapshot = &snapshots[&id];
+            matches!(snapshot.state, State::Ready) && snapshot.pages == pages
+        });
+        let Some(id) = found else {
+            self.counters.misses += 1;
+            return None;
+        };
+        self.counters.hits += 1;
+        self.touch(id);
+        let snapshot = &self.snapshots[&id];
+        let pages = snapshot.pages;
+        let tokens = pages * self.geometry.kv.page_tokens;
+        Some(LookupHit {
+            snapshot: id,
+            tokens,
+            pages,
+            tier: snapshot.tier,
+        })
+    }
+
+    /// Pins snapshot `id` and plans its restore into the head of `page_table` (the new slot's
+    /// pages). A restore is a use. Call `finish_restore` when the copies are done or failed.
+    pub fn begin_restore(
+        &mut self,
+        id: SnapshotId,
+        page_table: &[PageId],
+    ) -> Result<RestorePlan, CacheError> {
+        let snapshot = self.snapshot_in(id, SnapshotState::Ready)?;
+        let copies = page_copies(snapshot.pages, page_table)?;
+        snapshot.pins += 1;
+        let (backing, tier, bytes, pages) = (
+            snapshot.backing,
+            snapshot.tier,
+            snapshot.bytes,
+            snapshot.pages,
+        );
+        self.touch(id);
+        let tokens = pages * self.geometry.kv.page_tokens;
+        Ok(RestorePlan {
+            snapshot: id,
+            backing,
+            tier,
+            tokens,
+            bytes,
+            copies,
+            geometry: self.geometry,
+        })
+    }
+
+    /// Unpins a snapshot pinned by `begin_restore`.
+    pub fn finish_restore(&mut self, id: SnapshotId) -> Result<(), CacheError> {
+        let snapshot = self.snapshot_in(id, SnapshotState::Ready)?;
+        if snapshot.pins == 0 {
+            return Err(CacheError::NotPinned { snapshot: id });
+        }
+        snapshot.pins -= 1;
+        Ok(())
+    }
+
+    /// Drops a published, unpinned snapshot (its buffer was lost or found corrupt) and refunds
+    /// it. Returns the backing for the engine to free.
+    pub fn discard(&mut self, id: SnapshotId) -> Result<BackingId, CacheError> {
+        let snapshot = self.snapshot_in(id, SnapshotState::Ready)?;
+        if snapshot.pins > 0 {
+            return Err(CacheError::Pinned { snapshot: id });
+        }
+        let snapshot = self.forget(id);
+        let tier = self.tier_mut(snapshot.tier);
+        tier.order.remove(&id);
+        tier.refund(snapshot.bytes);
+        Ok(snapshot.backing)
+    }
+
+    /// What the store knows of snapshot `id`.
+    pub fn info(&self, id: SnapshotId) -> Result<SnapshotInfo, CacheError> {
+        let snapshot = self.snapshot(id)?;
+        Ok(SnapshotInfo {
+            id,
+            tokens: snapshot.pages * self.geometry.kv.page_tokens,
+            pages: snapshot.pages,
+            bytes: snapshot.bytes,
+            tier: snapshot.tier,
+            backing: snapshot.backing,
+            state: snapshot.public_state(),
+            pins: snapshot.pins,
+        })
+    }
+
+    /// Every stored snapshot, in no particular order.
+    pub fn snapshot_ids(&self) -> impl Iterator<Item = SnapshotId> + '_ {
+        self.snapshots.keys().copied()
+    }
+
+    /// The published snapshots of `tier`, the next victim first.
+    pub fn eviction_order(&self, tier: Tier) -> Vec<SnapshotId> {
+        self.tier(tier).order.candidates().copied().collect()
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        let c = self.counters;
+        StoreStats {
+            device: self.tier(Tier::Device).stats(),
+            host: self.tier(Tier::Host).stats(),
+            hits: c.hits,
+            misses: c.misses,
+            evictions: c.evictions,
+            demotions: c.demotions,
+            refusals: c.refusals,
+            saves_committed: c.saves_committed,
+            saves_aborted: c.saves_aborted,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
