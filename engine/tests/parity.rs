@@ -234,3 +234,85 @@ fn greedy_continuations_match_transformers_decoding_all_prompts_together() {
         assert_eq!(&ours[..n], &prompt.greedy[..n], "prompt `{}`", prompt.name);
     }
 }
+
+/// All logits of every prompt, `[tokens × vocab]`, from one way of scheduling the prompts.
+fn logits_by_schedule(
+    backend: &mut CpuBackend,
+    prompts: &[Prompt],
+    chunk_sizes: &[usize],
+    together: bool,
+) -> Vec<Vec<f32>> {
+    let tables = scattered_pages(prompts.len(), 64);
+    let mut logits = vec![Vec::new(); prompts.len()];
+    let mut done = vec![0usize; prompts.len()];
+    let groups: Vec<Vec<usize>> = if together {
+        vec![(0..prompts.len()).collect()]
+    } else {
+        (0..prompts.len()).map(|i| vec![i]).collect()
+    };
+    for group in groups {
+        while group.iter().any(|&i| done[i] < prompts[i].ids.len()) {
+            let active: Vec<usize> = group
+                .iter()
+                .copied()
+                .filter(|&i| done[i] < prompts[i].ids.len())
+                .collect();
+            let rows = active
+                .iter()
+                .map(|&i| {
+                    let end = (done[i] + chunk_sizes[i]).min(prompts[i].ids.len());
+                    RowPlan {
+                        tokens: prompts[i].ids[done[i]..end].to_vec(),
+                        start_pos: done[i],
+                        pages: tables[i].clone(),
+                        logits: LogitsWanted::All,
+                    }
+                })
+                .collect::<Vec<_>>();
+            let out = backend.step(&StepPlan { rows: rows.clone() }).unwrap();
+            for (row, &i) in active.iter().enumerate() {
+                logits[i].extend_from_slice(
+                    &out.logits[out.row_ranges[row].start * out.vocab_size
+                        ..out.row_ranges[row].end * out.vocab_size],
+                );
+                done[i] += rows[row].tokens.len();
+            }
+        }
+    }
+    logits
+}
+
+#[test]
+fn logits_are_bit_identical_however_the_prompts_are_scheduled() {
+    let fixture = Fixture::load();
+    let prompts: Vec<Prompt> = fixture
+        .prompts()
+        .into_iter()
+        .filter(|p| p.ids.len() < 200)
+        .collect();
+    let (mut backend, _) = backend(prompts.len() * 64);
+    let whole: Vec<usize> = prompts.iter().map(|p| p.ids.len()).collect();
+    let alone = logits_by_schedule(&mut backend, &prompts, &whole, false);
+    let batched = logits_by_schedule(&mut backend, &prompts, &whole, true);
+    let token_by_token = logits_by_schedule(&mut backend, &prompts, &vec![1; prompts.len()], true);
+    let mixed: Vec<usize> = (0..prompts.len()).map(|i| [5, 2, 13, 7][i % 4]).collect();
+    let chunked = logits_by_schedule(&mut backend, &prompts, &mixed, true);
+    for (i, prompt) in prompts.iter().enumerate() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&alone[i]) == bits(&batched[i]),
+            "prompt `{}`: batched differs from alone",
+            prompt.name
+        );
+        assert!(
+            bits(&alone[i]) == bits(&token_by_token[i]),
+            "prompt `{}`: token by token differs",
+            prompt.name
+        );
+        assert!(
+            bits(&alone[i]) == bits(&chunked[i]),
+            "prompt `{}`: chunked differs",
+            prompt.name
+        );
+    }
+}

@@ -2,13 +2,20 @@
 //!
 //! Each layer keeps K and V as `[page][token in page][kv head][head dim]` f32 arrays. A query at
 //! position `p` attends to positions `lo..=p` of its own sequence (`lo > 0` only under a sliding
-//! window), found through the sequence's page table; grouped-query heads share their KV head.
+//! window), found through the sequence's page table. One task handles one token and one KV
+//! head: the query heads sharing that KV head (grouped-query attention) read each K and V row
+//! once. Scores use [`matmul::dots`], softmax is exact (two passes over the scores), and V rows
+//! are accumulated in position order, so a query's output depends only on its own sequence:
+//! batching and chunking never change it.
+
+use std::cell::RefCell;
 
 use cache::{KvGeometry, PageId};
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use super::kernels::{axpy_body, dot_body};
+use super::kernels::exp_body;
+use super::matmul::{self, Isa};
 
 /// The working pool's K and V bytes for every layer.
 pub struct KvPages {
@@ -58,6 +65,11 @@ pub struct AttentionShape {
     pub window: Option<usize>,
 }
 
+thread_local! {
+    /// Scores of the task running on this thread, `[query head][position]`.
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
 /// `out[t, h] = softmax(q[t, h] · Kᵀ / √d) · V` over each query's visible positions.
 ///
 /// `q` holds each token's query heads at the start of a `q_stride`-wide row; `out` is
@@ -71,38 +83,108 @@ pub fn attend(
     q_stride: usize,
     out: &mut [f32],
 ) {
-    let d = shape.head_dim;
     let group = shape.heads / shape.kv_heads;
-    let scale = 1.0 / (d as f32).sqrt();
-    out.par_chunks_mut(d).enumerate().for_each(|(i, out_head)| {
-        let (t, h) = (i / shape.heads, i % shape.heads);
-        let query = queries[t];
-        let q_head = &q[t * q_stride + h * d..][..d];
-        let lo = shape
-            .window
-            .map_or(0, |w| (query.pos + 1).saturating_sub(w));
-        let rows: Vec<usize> = (lo..=query.pos)
-            .map(|p| kv.offset(query.pages, p) + (h / group) * d)
-            .collect();
-        attend_head(&kv.k[layer], &kv.v[layer], &rows, q_head, scale, out_head);
-    });
+    let width = group * shape.head_dim;
+    let isa = Isa::detect();
+    out.par_chunks_mut(width)
+        .enumerate()
+        .for_each(|(unit, out)| {
+            let (t, g) = (unit / shape.kv_heads, unit % shape.kv_heads);
+            let q = &q[t * q_stride + g * width..][..width];
+            let task = GroupTask {
+                kv,
+                layer,
+                shape,
+                kv_head: g,
+                query: queries[t],
+            };
+            SCORES.with_borrow_mut(|scores| task.run(isa, q, scores, out));
+        });
 }
 
+/// One token's query heads that share KV head `kv_head`.
+struct GroupTask<'a> {
+    kv: &'a KvPages,
+    layer: usize,
+    shape: AttentionShape,
+    kv_head: usize,
+    query: QueryPos<'a>,
+}
+
+impl GroupTask<'_> {
+    fn run(&self, isa: Isa, q: &[f32], scores: &mut Vec<f32>, out: &mut [f32]) {
+        let d = self.shape.head_dim;
+        let lo = self
+            .shape
+            .window
+            .map_or(0, |w| (self.query.pos + 1).saturating_sub(w));
+        let visible = self.query.pos + 1 - lo;
+        scores.clear();
+        scores.resize(q.len() / d * visible, 0.0);
+        self.scores(isa, q, lo, visible, scores);
+        let rows: Vec<usize> = (lo..=self.query.pos)
+            .map(|p| self.kv.offset(self.query.pages, p) + self.kv_head * d)
+            .collect();
+        softmax_pv(
+            &self.kv.v[self.layer],
+            &rows,
+            scores,
+            1.0 / (d as f32).sqrt(),
+            out,
+        );
+    }
+
+    /// Raw scores `q_h · k_p` into `scores[h * visible + (p - lo)]`, a page at a time.
+    fn scores(&self, isa: Isa, q: &[f32], lo: usize, visible: usize, scores: &mut [f32]) {
+        let (d, pt) = (self.shape.head_dim, self.kv.geometry.page_tokens);
+        let row = self.kv.geometry.token_elems_per_layer();
+        let k = &self.kv.k[self.layer];
+        let mut p = lo;
+        while p <= self.query.pos {
+            let count = (pt - p % pt).min(self.query.pos + 1 - p);
+            let at = self.kv.offset(self.query.pages, p) + self.kv_head * d;
+            matmul::dots(
+                isa,
+                q,
+                d,
+                q.len() / d,
+                &k[at..],
+                row,
+                count,
+                d,
+                &mut scores[p - lo..],
+                visible,
+            );
+            p += count;
+        }
+    }
+}
+
+/// Scales and softmaxes each head's scores, then accumulates V rows (at `rows`) in order.
 #[multiversion(targets("x86_64+avx512f", "x86_64+avx2+fma"))]
-fn attend_head(k: &[f32], v: &[f32], rows: &[usize], q: &[f32], scale: f32, out: &mut [f32]) {
-    let d = q.len();
-    let mut scores: Vec<f32> = rows
-        .iter()
-        .map(|&at| dot_body(q, &k[at..at + d]) * scale)
-        .collect();
-    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for s in &mut scores {
-        *s = (*s - max).exp();
-        sum += *s;
+fn softmax_pv(v: &[f32], rows: &[usize], scores: &mut [f32], scale: f32, out: &mut [f32]) {
+    let visible = rows.len();
+    let d = out.len() / (scores.len() / visible);
+    for head in scores.chunks_exact_mut(visible) {
+        let max = head
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
+        let mut sum = 0f32;
+        for s in head.iter_mut() {
+            *s = exp_body(*s * scale - max);
+            sum += *s;
+        }
+        let inv = 1.0 / sum;
+        head.iter_mut().for_each(|s| *s *= inv);
     }
     out.fill(0.0);
-    for (&at, s) in rows.iter().zip(&scores) {
-        axpy_body(out, s / sum, &v[at..at + d]);
+    for (j, &at) in rows.iter().enumerate() {
+        let v_row = &v[at..at + d];
+        for (h, out) in out.chunks_exact_mut(d).enumerate() {
+            let w = scores[h * visible + j];
+            for (o, &x) in out.iter_mut().zip(v_row) {
+                *o = w.mul_add(x, *o);
+            }
+        }
     }
 }

@@ -6,17 +6,10 @@
 //! independent accumulator lanes instead of relying on float reassociation, which the compiler
 //! may not do on its own.
 //!
-//! Matrix products follow the checkpoint layout: a weight is `[n, k]` row-major and
-//! `matmul` computes `x[t, k] · wᵀ`. Few rows (decode) are memory-bound: each weight row is
-//! streamed once and dotted with every input row. Many rows (prefill) go to the `gemm` crate.
+//! Matrix products live in [`super::matmul`]; everything here works on one row at a time, so
+//! its results never depend on what else is in the step.
 
 use multiversion::multiversion;
-use rayon::prelude::*;
-
-/// Up to this many input rows, `matmul` streams the weights itself.
-const STREAM_ROWS_MAX: usize = 4;
-/// Weight rows per parallel task when streaming.
-const STREAM_CHUNK: usize = 32;
 
 #[inline(always)]
 pub(crate) fn dot_body(a: &[f32], b: &[f32]) -> f32 {
@@ -46,85 +39,28 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_body(a, b)
 }
 
-/// `y[i] += alpha · x[i]`.
+/// `e^x` to about one ulp, as straight-line arithmetic the compiler vectorizes (the libm call
+/// it replaces dominated softmax). Inputs below -87.3 give the smallest normal float, not 0.
 #[inline(always)]
-pub(crate) fn axpy_body(y: &mut [f32], alpha: f32, x: &[f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += alpha * x;
+pub(crate) fn exp_body(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = x.clamp(-87.3, 88.7);
+    let n = (x * LOG2_E + 0.5).floor();
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
+    let mut p = 1.987_569_1e-4f32;
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        p = p.mul_add(r, c);
     }
-}
-
-#[multiversion(targets("x86_64+avx512f", "x86_64+avx2+fma"))]
-fn stream_chunk(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32]) {
-    // `out` is [chunk_rows, rows]: transposed, so each task writes one contiguous block.
-    for (j, w_row) in w.chunks_exact(k).enumerate() {
-        for t in 0..rows {
-            out[j * rows + t] = dot_body(w_row, &x[t * k..(t + 1) * k]);
-        }
-    }
-}
-
-/// `out[t, n] = x[t, k] · w[n, k]ᵀ` on the current rayon pool.
-pub fn matmul(x: &[f32], rows: usize, k: usize, w: &[f32], n: usize, out: &mut [f32]) {
-    assert_eq!(x.len(), rows * k, "x is [rows, k]");
-    assert_eq!(w.len(), n * k, "w is [n, k]");
-    assert_eq!(out.len(), rows * n, "out is [rows, n]");
-    if rows == 0 || n == 0 {
-        return;
-    }
-    if rows == 1 {
-        out.par_chunks_mut(STREAM_CHUNK)
-            .zip(w.par_chunks(STREAM_CHUNK * k))
-            .for_each(|(o, w)| stream_chunk(x, 1, k, w, o));
-    } else if rows <= STREAM_ROWS_MAX {
-        let mut transposed = vec![0f32; rows * n];
-        transposed
-            .par_chunks_mut(STREAM_CHUNK * rows)
-            .zip(w.par_chunks(STREAM_CHUNK * k))
-            .for_each(|(o, w)| stream_chunk(x, rows, k, w, o));
-        for (j, column) in transposed.chunks_exact(rows).enumerate() {
-            for (t, &v) in column.iter().enumerate() {
-                out[t * n + j] = v;
-            }
-        }
-    } else {
-        gemm_rows(x, rows, k, w, n, out);
-    }
-}
-
-fn gemm_rows(x: &[f32], rows: usize, k: usize, w: &[f32], n: usize, out: &mut [f32]) {
-    let threads = rayon::current_num_threads();
-    let parallelism = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    // SAFETY: the asserts in `matmul` bound every index gemm touches: dst is [rows, n] with
-    // row stride n, lhs is [rows, k] with row stride k, rhs (wᵀ) is [k, n] read from w[n, k]
-    // with column stride k.
-    unsafe {
-        gemm::gemm(
-            rows,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            x.as_ptr(),
-            1,
-            k as isize,
-            w.as_ptr(),
-            k as isize,
-            1,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
+    let y = p.mul_add(r * r, r) + 1.0;
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
 /// Root-mean-square normalization of each `width`-wide row of `x`, scaled by `weight`, as
@@ -186,36 +122,6 @@ mod tests {
             .collect()
     }
 
-    fn reference(x: &[f32], rows: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
-        let mut out = vec![0f64; rows * n];
-        for t in 0..rows {
-            for j in 0..n {
-                out[t * n + j] = (0..k)
-                    .map(|i| x[t * k + i] as f64 * w[j * k + i] as f64)
-                    .sum();
-            }
-        }
-        out
-    }
-
-    #[test]
-    fn matmul_matches_reference_on_every_path() {
-        let (k, n) = (77, 45);
-        let w = pseudo_random(n * k, 1);
-        for rows in [1, 3, STREAM_ROWS_MAX, STREAM_ROWS_MAX + 1, 19] {
-            let x = pseudo_random(rows * k, rows as u32 + 7);
-            let mut out = vec![f32::NAN; rows * n];
-            matmul(&x, rows, k, &w, n, &mut out);
-            let want = reference(&x, rows, k, &w, n);
-            for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
-                assert!(
-                    (got as f64 - want).abs() < 1e-4,
-                    "rows {rows} element {i}: {got} vs {want}"
-                );
-            }
-        }
-    }
-
     #[test]
     fn dot_handles_lengths_around_the_lane_width() {
         for len in [0, 1, 31, 32, 33, 64, 100] {
@@ -224,6 +130,19 @@ mod tests {
             let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
             assert!((dot(&a, &b) as f64 - want).abs() < 1e-5, "len {len}");
         }
+    }
+
+    #[test]
+    fn exp_is_within_two_ulps_of_libm() {
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let (got, want) = (exp_body(x), x.exp());
+            let ulps = (got.to_bits() as i64 - want.to_bits() as i64).abs();
+            assert!(ulps <= 2, "exp({x}) = {got}, libm {want}");
+            x += 0.0137;
+        }
+        assert_eq!(exp_body(0.0), 1.0);
+        assert!(exp_body(-1e30) > 0.0 && exp_body(-1e30) < 1e-37);
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 mod attention;
 pub mod kernels;
+pub mod matmul;
 mod weights;
 
 use cache::KvGeometry;
@@ -205,7 +206,7 @@ impl Forward<'_> {
         resize(&mut self.s.normed, tokens * h);
         kernels::rms_norm(&self.s.x, &w.attn_norm, c.rms_norm_eps, &mut self.s.normed);
         resize(&mut self.s.qkv, tokens * width);
-        kernels::matmul(&self.s.normed, tokens, h, &w.wqkv, width, &mut self.s.qkv);
+        matmul::matmul(&self.s.normed, tokens, h, &w.wqkv, width, &mut self.s.qkv);
         if let Some(bias) = &w.bqkv {
             self.s
                 .qkv
@@ -230,7 +231,7 @@ impl Forward<'_> {
             &mut self.s.attn,
         );
         resize(&mut self.s.projected, tokens * h);
-        kernels::matmul(
+        matmul::matmul(
             &self.s.attn,
             tokens,
             c.q_dim(),
@@ -267,7 +268,7 @@ impl Forward<'_> {
         let tokens = self.s.x.len() / h;
         kernels::rms_norm(&self.s.x, &w.ffn_norm, c.rms_norm_eps, &mut self.s.normed);
         resize(&mut self.s.gate_up, tokens * 2 * f);
-        kernels::matmul(
+        matmul::matmul(
             &self.s.normed,
             tokens,
             h,
@@ -277,7 +278,7 @@ impl Forward<'_> {
         );
         resize(&mut self.s.act, tokens * f);
         kernels::silu_mul(&self.s.gate_up, f, &mut self.s.act);
-        kernels::matmul(&self.s.act, tokens, f, &w.w_down, h, &mut self.s.projected);
+        matmul::matmul(&self.s.act, tokens, f, &w.w_down, h, &mut self.s.projected);
         kernels::add_assign(&mut self.s.x, &self.s.projected);
     }
 
@@ -310,7 +311,7 @@ impl Forward<'_> {
             &mut normed,
         );
         let mut logits = vec![0f32; rows * vocab];
-        kernels::matmul(&normed, rows, h, self.weights.lm_head(), vocab, &mut logits);
+        matmul::matmul(&normed, rows, h, self.weights.lm_head(), vocab, &mut logits);
         StepOutput {
             vocab_size: vocab,
             logits,

@@ -1,0 +1,494 @@
+//! Batch-invariant matrix products: `out[t, n] = x[t, k] · w[n, k]ᵀ`.
+//!
+//! Every output element is computed the same way whatever the number of rows in the call, the
+//! tile it falls in, or the instruction set: 16 lanes, lane `l` accumulating `x[i]·w[i]` with a
+//! fused multiply-add for every `i ≡ l (mod 16)` in increasing `i`, the lanes then summed by a
+//! fixed pairwise tree, and any tail of `k % 16` elements added in order afterwards. So a
+//! sequence's logits do not depend on what else shares its step: decoding alone or in a batch
+//! of 64, prefilling in one step or in chunks, restoring a snapshot or recomputing it, all give
+//! bit-identical results. The `gemm` crate's blocking changes the summation order with the
+//! shape, which would make batched outputs drift from solo ones at near-ties; this is why the
+//! CPU backend has its own product.
+//!
+//! Work is split over the current rayon pool by blocks of weight rows; inside a block, tiles of
+//! up to 4 input rows by up to 6 (AVX-512) or 2 (AVX2) weight rows keep their accumulators in
+//! registers, so each weight row is read once per 4 input rows.
+
+use rayon::prelude::*;
+
+const LANES: usize = 16;
+/// Weight rows per parallel task.
+const BLOCK_ROWS: usize = 96;
+/// Input rows per tile.
+const TILE_ROWS: usize = 4;
+
+/// The instruction set a product runs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    Avx512,
+    Avx2,
+    Portable,
+}
+
+impl Isa {
+    /// The best one this CPU has.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+
+    /// Whether this CPU can run `self`.
+    pub fn available(self) -> bool {
+        match self {
+            Isa::Portable => true,
+            Isa::Avx2 => Isa::detect() != Isa::Portable,
+            Isa::Avx512 => Isa::detect() == Isa::Avx512,
+        }
+    }
+}
+
+/// Pointers into one tile: `rows` input rows and `cols` weight rows, all `k` long.
+#[derive(Clone, Copy)]
+struct Tile {
+    x: *const f32,
+    w: *const f32,
+    out: *mut f32,
+    k: usize,
+    x_stride: usize,
+    w_stride: usize,
+    out_stride: usize,
+    rows: usize,
+    cols: usize,
+}
+
+impl Tile {
+    /// # Safety
+    /// `r` and `c` within the tile.
+    #[inline(always)]
+    unsafe fn x_row(&self, r: usize) -> *const f32 {
+        unsafe { self.x.add(r * self.x_stride) }
+    }
+
+    /// # Safety
+    /// As [`Tile::x_row`].
+    #[inline(always)]
+    unsafe fn w_row(&self, c: usize) -> *const f32 {
+        unsafe { self.w.add(c * self.w_stride) }
+    }
+
+    /// # Safety
+    /// As [`Tile::x_row`].
+    #[inline(always)]
+    unsafe fn out_at(&self, r: usize, c: usize) -> *mut f32 {
+        unsafe { self.out.add(r * self.out_stride + c) }
+    }
+}
+
+/// A raw output pointer shared by tasks that write disjoint columns.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint column ranges of the output (see `matmul_with`).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// Through a method, so closures capture the `Sync` wrapper rather than its raw field.
+    fn at(&self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// `out[t, n] = x[t, k] · w[n, k]ᵀ` with the best instruction set available.
+pub fn matmul(x: &[f32], rows: usize, k: usize, w: &[f32], n: usize, out: &mut [f32]) {
+    matmul_with(Isa::detect(), x, rows, k, w, n, out);
+}
+
+/// [`matmul`] with a chosen instruction set, which must be available (tests compare them).
+pub fn matmul_with(
+    isa: Isa,
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    w: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    assert!(isa.available(), "{isa:?} is not available on this CPU");
+    assert_eq!(x.len(), rows * k, "x is [rows, k]");
+    assert_eq!(w.len(), n * k, "w is [n, k]");
+    assert_eq!(out.len(), rows * n, "out is [rows, n]");
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    (0..n.div_ceil(BLOCK_ROWS))
+        .into_par_iter()
+        .for_each(|block| {
+            let (first, last) = (block * BLOCK_ROWS, ((block + 1) * BLOCK_ROWS).min(n));
+            let tile = Tile {
+                x: x.as_ptr(),
+                w: w.as_ptr().wrapping_add(first * k),
+                out: out_ptr.at(first),
+                k,
+                x_stride: k,
+                w_stride: k,
+                out_stride: n,
+                rows,
+                cols: last - first,
+            };
+            // SAFETY: the asserts above bound rows 0..rows of x, rows first..last of w and the
+            // matching columns of out; only this task writes columns first..last.
+            unsafe { run_tiled(isa, tile) };
+        });
+}
+
+/// `out[r * out_stride + c] = x_r · w_c` for `rows` vectors of `x` and `cols` vectors of `w`,
+/// each `k` long and `*_stride` apart, on this thread, with [`matmul`]'s per-element
+/// arithmetic (attention scores use it so they are batch-invariant too).
+#[allow(clippy::too_many_arguments)]
+pub fn dots(
+    isa: Isa,
+    x: &[f32],
+    x_stride: usize,
+    rows: usize,
+    w: &[f32],
+    w_stride: usize,
+    cols: usize,
+    k: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    assert!(isa.available(), "{isa:?} is not available on this CPU");
+    let fits =
+        |len: usize, stride: usize, count: usize| count == 0 || (count - 1) * stride + k <= len;
+    assert!(
+        fits(x.len(), x_stride, rows) && fits(w.len(), w_stride, cols),
+        "vectors lie inside x and w"
+    );
+    assert!(
+        rows == 0 || (rows - 1) * out_stride + cols <= out.len(),
+        "out holds every product"
+    );
+    let tile = Tile {
+        x: x.as_ptr(),
+        w: w.as_ptr(),
+        out: out.as_mut_ptr(),
+        k,
+        x_stride,
+        w_stride,
+        out_stride,
+        rows,
+        cols,
+    };
+    // SAFETY: the asserts bound every pointer the tiles form.
+    unsafe { run_tiled(isa, tile) };
+}
+
+/// Splits a block into register tiles and runs each.
+///
+/// # Safety
+/// The block's pointers must be valid for its rows, columns and `k`, and `isa` available.
+unsafe fn run_tiled(isa: Isa, block: Tile) {
+    let max_cols = match isa {
+        Isa::Avx512 => 6,
+        Isa::Avx2 => 2,
+        Isa::Portable => 1,
+    };
+    for r in (0..block.rows).step_by(TILE_ROWS) {
+        for c in (0..block.cols).step_by(max_cols) {
+            let tile = Tile {
+                x: unsafe { block.x_row(r) },
+                w: unsafe { block.w_row(c) },
+                out: unsafe { block.out_at(r, c) },
+                rows: (block.rows - r).min(TILE_ROWS),
+                cols: (block.cols - c).min(max_cols),
+                ..block
+            };
+            unsafe { run_tile(isa, tile) };
+        }
+    }
+}
+
+/// # Safety
+/// The tile's pointers must be valid for its rows, columns and `k`, and `isa` available.
+unsafe fn run_tile(isa: Isa, tile: Tile) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::tile_avx512(tile) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::tile_avx2(tile) },
+        _ => unsafe { tile_portable(tile) },
+    }
+}
+
+/// The fixed reduction of 16 lanes: halves, then quarters, then pairs.
+#[inline(always)]
+fn reduce_lanes(lanes: &[f32; LANES]) -> f32 {
+    let mut v = *lanes;
+    let mut width = LANES / 2;
+    while width > 0 {
+        for l in 0..width {
+            v[l] += v[l + width];
+        }
+        width /= 2;
+    }
+    v[0]
+}
+
+/// Adds the `k % 16` trailing products, in order, to a reduced sum.
+///
+/// # Safety
+/// `x` and `w` must be valid for `k` elements.
+#[inline(always)]
+unsafe fn add_tail(mut sum: f32, x: *const f32, w: *const f32, k: usize) -> f32 {
+    for i in k / LANES * LANES..k {
+        sum = unsafe { (*x.add(i)).mul_add(*w.add(i), sum) };
+    }
+    sum
+}
+
+/// The reference implementation of the per-element arithmetic, one element at a time.
+///
+/// # Safety
+/// As [`run_tile`].
+unsafe fn tile_portable(t: Tile) {
+    for r in 0..t.rows {
+        for c in 0..t.cols {
+            let (x, w) = unsafe { (t.x_row(r), t.w_row(c)) };
+            let mut lanes = [0f32; LANES];
+            for base in (0..t.k / LANES * LANES).step_by(LANES) {
+                for (l, lane) in lanes.iter_mut().enumerate() {
+                    *lane = unsafe { (*x.add(base + l)).mul_add(*w.add(base + l), *lane) };
+                }
+            }
+            unsafe { *t.out_at(r, c) = add_tail(reduce_lanes(&lanes), x, w, t.k) };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{LANES, Tile, add_tail};
+
+    /// [`super::reduce_lanes`]'s tree on eight lanes already folded (`l + 8` into `l`).
+    ///
+    /// `inline(always)` rather than `target_feature`: a vector argument to a call that is not
+    /// inlined goes through memory, which would pin the accumulators to the stack.
+    ///
+    /// # Safety
+    /// The CPU must have AVX.
+    #[inline(always)]
+    unsafe fn reduce8(v: __m256) -> f32 {
+        unsafe {
+            let quarters = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let pairs = _mm_add_ps(quarters, _mm_movehl_ps(quarters, quarters));
+            _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)))
+        }
+    }
+
+    /// [`super::reduce_lanes`]'s tree on one AVX-512 register.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[inline(always)]
+    unsafe fn reduce16(v: __m512) -> f32 {
+        unsafe {
+            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+            reduce8(_mm256_add_ps(_mm512_castps512_ps256(v), hi))
+        }
+    }
+
+    /// AVX-512: one register holds the 16 lanes of an element.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn tile_avx512(t: Tile) {
+        unsafe {
+            match (t.rows, t.cols) {
+                (4, 6) => tile512::<4, 6>(t),
+                (3, 6) => tile512::<3, 6>(t),
+                (2, 6) => tile512::<2, 6>(t),
+                (1, 6) => tile512::<1, 6>(t),
+                // A page of 16 positions of attention scores ends in a tile of 4.
+                (4, 4) => tile512::<4, 4>(t),
+                (3, 4) => tile512::<3, 4>(t),
+                (2, 4) => tile512::<2, 4>(t),
+                (1, 4) => tile512::<1, 4>(t),
+                (r, c) => {
+                    for row in 0..r {
+                        for col in 0..c {
+                            let one = Tile {
+                                x: t.x_row(row),
+                                w: t.w_row(col),
+                                out: t.out_at(row, col),
+                                rows: 1,
+                                cols: 1,
+                                ..t
+                            };
+                            tile512::<1, 1>(one);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // Indexed loops over the const dimensions unroll into named registers; iterator chains
+    // here produced worse code.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn tile512<const R: usize, const C: usize>(t: Tile) {
+        unsafe {
+            let (x, xs, w, ws, k) = (t.x, t.x_stride, t.w, t.w_stride, t.k);
+            let mut acc = [[_mm512_setzero_ps(); C]; R];
+            let mut i = 0;
+            while i + LANES <= k {
+                let mut wv = [_mm512_setzero_ps(); C];
+                for c in 0..C {
+                    wv[c] = _mm512_loadu_ps(w.add(c * ws + i));
+                }
+                for r in 0..R {
+                    let xv = _mm512_loadu_ps(x.add(r * xs + i));
+                    for c in 0..C {
+                        acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+                    }
+                }
+                i += LANES;
+            }
+            // Spill once, in a loop small enough to unroll: reading `acc` by index in a loop
+            // that stays rolled would keep it in memory and store every accumulator after
+            // every multiply-add in the loop above.
+            let mut spilled = [[[0f32; LANES]; C]; R];
+            for r in 0..R {
+                for c in 0..C {
+                    _mm512_storeu_ps(spilled[r][c].as_mut_ptr(), acc[r][c]);
+                }
+            }
+            for r in 0..R {
+                for c in 0..C {
+                    let sum = reduce16(_mm512_loadu_ps(spilled[r][c].as_ptr()));
+                    *t.out_at(r, c) = add_tail(sum, x.add(r * xs), w.add(c * ws), k);
+                }
+            }
+        }
+    }
+
+    /// AVX2 with FMA: two registers hold lanes 0..8 and 8..16 of an element.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile_avx2(t: Tile) {
+        unsafe {
+            for r in 0..t.rows {
+                for c in 0..t.cols {
+                    let (x, w) = (t.x_row(r), t.w_row(c));
+                    let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                    for base in (0..t.k / LANES * LANES).step_by(LANES) {
+                        lo = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(x.add(base)),
+                            _mm256_loadu_ps(w.add(base)),
+                            lo,
+                        );
+                        hi = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(x.add(base + 8)),
+                            _mm256_loadu_ps(w.add(base + 8)),
+                            hi,
+                        );
+                    }
+                    *t.out_at(r, c) = add_tail(reduce8(_mm256_add_ps(lo, hi)), x, w, t.k);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761).max(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 20_001) as f32 / 10_000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn product(isa: Isa, x: &[f32], rows: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+        let mut out = vec![f32::NAN; rows * n];
+        matmul_with(isa, x, rows, k, w, n, &mut out);
+        out
+    }
+
+    #[test]
+    fn matches_a_float64_reference() {
+        let (rows, k, n) = (9, 203, 211);
+        let (x, w) = (pseudo_random(rows * k, 1), pseudo_random(n * k, 2));
+        let out = product(Isa::detect(), &x, rows, k, &w, n);
+        for t in 0..rows {
+            for j in 0..n {
+                let want: f64 = (0..k)
+                    .map(|i| x[t * k + i] as f64 * w[j * k + i] as f64)
+                    .sum();
+                let got = out[t * n + j] as f64;
+                assert!(
+                    (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                    "[{t}, {j}]: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_row_is_bit_identical_to_its_product_alone() {
+        let (rows, k, n) = (11, 576, 197);
+        let (x, w) = (pseudo_random(rows * k, 3), pseudo_random(n * k, 4));
+        let batched = product(Isa::detect(), &x, rows, k, &w, n);
+        for t in 0..rows {
+            let alone = product(Isa::detect(), &x[t * k..(t + 1) * k], 1, k, &w, n);
+            assert!(
+                alone
+                    .iter()
+                    .zip(&batched[t * n..(t + 1) * n])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "row {t}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_instruction_set_gives_the_same_bits() {
+        let (rows, k, n) = (7, 150, 101);
+        let (x, w) = (pseudo_random(rows * k, 5), pseudo_random(n * k, 6));
+        let reference = product(Isa::Portable, &x, rows, k, &w, n);
+        for isa in [Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|isa| isa.available())
+        {
+            let out = product(isa, &x, rows, k, &w, n);
+            assert!(
+                out.iter()
+                    .zip(&reference)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{isa:?} differs from portable"
+            );
+        }
+    }
+
+    #[test]
+    fn empty_products_write_nothing() {
+        let mut out: Vec<f32> = Vec::new();
+        matmul(&[], 0, 4, &[0.0; 8], 2, &mut out);
+        matmul(&[0.0; 4], 1, 4, &[], 0, &mut out);
+    }
+}
