@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use engine::DType;
+use engine::bench::BenchSpec;
 use engine::chat::ChatMessage;
 use engine::cpu::{CpuBackend, CpuOptions};
 use engine::fetch::{self, FetchOptions};
@@ -34,6 +35,39 @@ enum Command {
     FetchModel(FetchModelArgs),
     /// Generate text from a prompt on the CPU, streaming it to stdout.
     Generate(GenerateArgs),
+    /// Measure prefill and decode throughput.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Model folder [default: the embedded SmolLM2 in f32, fetched if missing].
+    #[arg(long)]
+    model: Option<PathBuf>,
+
+    /// Prompt lengths whose prefill is timed.
+    #[arg(long, value_delimiter = ',', default_value = "128,512")]
+    prompt_lengths: Vec<usize>,
+
+    /// Numbers of sequences decoding together.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    batches: Vec<usize>,
+
+    /// Positions already in each sequence when decoding is timed.
+    #[arg(long, value_delimiter = ',', default_value = "512")]
+    contexts: Vec<usize>,
+
+    /// Decode steps timed per run.
+    #[arg(long, default_value_t = 32)]
+    decode_steps: usize,
+
+    /// Runs per figure; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+
+    /// CPU threads [default: all cores].
+    #[arg(long)]
+    threads: Option<usize>,
 }
 
 #[derive(Args)]
@@ -104,6 +138,7 @@ fn main() -> Result<()> {
     match cli.command {
         Command::FetchModel(args) => fetch_model(cache_dir, args),
         Command::Generate(args) => generate_text(&cache_dir, args),
+        Command::Bench(args) => bench(&cache_dir, args),
     }
 }
 
@@ -128,19 +163,19 @@ fn fetch_model(cache_dir: PathBuf, args: FetchModelArgs) -> Result<()> {
 }
 
 /// The folder given, or the embedded model's (fetched on first use).
-fn model_dir(cache_dir: &Path, given: Option<PathBuf>) -> Result<PathBuf> {
+fn model_dir(cache_dir: &Path, given: Option<PathBuf>, dtype: DType) -> Result<PathBuf> {
     if let Some(dir) = given {
         return Ok(dir);
     }
     let options = FetchOptions {
         progress: true,
-        ..FetchOptions::new(cache_dir.to_path_buf(), DType::BF16)
+        ..FetchOptions::new(cache_dir.to_path_buf(), dtype)
     };
     Ok(fetch::fetch(&fetch::SMOLLM2, &options)?)
 }
 
 fn generate_text(cache_dir: &Path, args: GenerateArgs) -> Result<()> {
-    let dir = model_dir(cache_dir, args.model)?;
+    let dir = model_dir(cache_dir, args.model, DType::BF16)?;
     let model = ModelFiles::open(&dir)?;
     let prompt = match (&args.prompt, &args.chat) {
         (Some(raw), _) => model.tokenizer.encode_prompt(raw)?,
@@ -203,5 +238,31 @@ fn generate_text(cache_dir: &Path, args: GenerateArgs) -> Result<()> {
         decode_steps as f64 / result.decode_time.as_secs_f64(),
         result.finish_reason,
     );
+    Ok(())
+}
+
+fn bench(cache_dir: &Path, args: BenchArgs) -> Result<()> {
+    let dir = model_dir(cache_dir, args.model, DType::F32)?;
+    let model = ModelFiles::open(&dir)?;
+    let spec = BenchSpec {
+        prompt_lengths: args.prompt_lengths,
+        decode_batches: args.batches,
+        contexts: args.contexts,
+        decode_steps: args.decode_steps,
+        repeats: args.repeats,
+        prefill_chunk: 512,
+        seed: 0,
+    };
+    let mut options = CpuOptions::for_tokens(spec.tokens_needed());
+    if let Some(threads) = args.threads {
+        options.threads = threads;
+    }
+    let mut backend = CpuBackend::load(&model, &options)?;
+    println!(
+        "snapserve bench: {} on the CPU, {} threads",
+        dir.display(),
+        options.threads
+    );
+    engine::bench::run(&mut backend, &spec, |row| println!("{row}"))?;
     Ok(())
 }

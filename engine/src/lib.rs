@@ -6,6 +6,7 @@
 //! and converted here too. This is the only crate that knows cudarc.
 
 pub mod backend;
+pub mod bench;
 pub mod chat;
 pub mod convert;
 pub mod cpu;
