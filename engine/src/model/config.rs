@@ -78,10 +78,12 @@ enum TokenIds {
     Many(Vec<u32>),
 }
 
+/// `rope_scaling`, or transformers 5's `rope_parameters` (which also carries `rope_theta`).
 #[derive(Debug, Deserialize)]
-struct RawRopeScaling {
+struct RawRope {
     #[serde(alias = "type")]
     rope_type: Option<String>,
+    rope_theta: Option<f64>,
     factor: Option<f32>,
     low_freq_factor: Option<f32>,
     high_freq_factor: Option<f32>,
@@ -103,7 +105,8 @@ struct RawConfig {
     max_position_embeddings: Option<usize>,
     rms_norm_eps: Option<f64>,
     rope_theta: Option<f64>,
-    rope_scaling: Option<RawRopeScaling>,
+    rope_scaling: Option<RawRope>,
+    rope_parameters: Option<RawRope>,
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
     hidden_act: Option<String>,
@@ -266,9 +269,21 @@ impl Validator {
         };
         let sliding_window = match architecture {
             Architecture::Mistral => raw.sliding_window,
-            Architecture::Qwen2 if raw.use_sliding_window == Some(true) => raw.sliding_window,
+            // Qwen2 slides only on some layers; no released checkpoint turns it on.
+            Architecture::Qwen2 if raw.use_sliding_window == Some(true) => {
+                return Err(self.error(
+                    "use_sliding_window",
+                    "Qwen2's per-layer sliding window is not supported",
+                ));
+            }
             _ => None,
         };
+        let rope_theta = raw
+            .rope_parameters
+            .as_ref()
+            .and_then(|r| r.rope_theta)
+            .or(raw.rope_theta);
+        let rope = raw.rope_parameters.or(raw.rope_scaling);
         Ok(ModelConfig {
             architecture,
             hidden_size,
@@ -283,8 +298,8 @@ impl Validator {
                 "max_position_embeddings",
             )?,
             rms_norm_eps: self.positive_f32(raw.rms_norm_eps.unwrap_or(1e-6), "rms_norm_eps")?,
-            rope_theta: self.positive_f32(raw.rope_theta.unwrap_or(10_000.0), "rope_theta")?,
-            rope_scaling: self.rope_scaling(raw.rope_scaling)?,
+            rope_theta: self.positive_f32(rope_theta.unwrap_or(10_000.0), "rope_theta")?,
+            rope_scaling: self.rope_scaling(rope)?,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             qkv_bias: architecture == Architecture::Qwen2 || raw.attention_bias == Some(true),
             sliding_window,
@@ -301,7 +316,7 @@ impl Validator {
         }
     }
 
-    fn rope_scaling(&self, raw: Option<RawRopeScaling>) -> Result<RopeScaling> {
+    fn rope_scaling(&self, raw: Option<RawRope>) -> Result<RopeScaling> {
         let Some(raw) = raw else {
             return Ok(RopeScaling::None);
         };
@@ -362,6 +377,34 @@ mod tests {
         let c = parse(&mistral).unwrap();
         assert_eq!(c.sliding_window, Some(4096));
         assert_eq!(c.eos_token_ids, vec![2, 3]);
+    }
+
+    #[test]
+    fn reads_transformers5_rope_parameters() {
+        let text = SMOLLM2.replace(
+            "\"rope_theta\":100000.0",
+            r#""rope_parameters":{"rope_type":"linear","factor":2.0,"rope_theta":5000.0}"#,
+        );
+        let c = parse(&text).unwrap();
+        assert_eq!(c.rope_theta, 5000.0);
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 2.0 });
+    }
+
+    #[test]
+    fn qwen2_per_layer_sliding_window_is_refused() {
+        let text = SMOLLM2
+            .replace("LlamaForCausalLM", "Qwen2ForCausalLM")
+            .replace(
+                "\"eos_token_id\":2",
+                "\"eos_token_id\":2,\"use_sliding_window\":true,\"sliding_window\":4096",
+            );
+        let err = parse(&text).unwrap_err();
+        assert!(
+            err.to_string().contains(
+                "`use_sliding_window`: Qwen2's per-layer sliding window is not supported"
+            ),
+            "{err}"
+        );
     }
 
     #[test]
