@@ -55,3 +55,9 @@ impl fmt::Display for SnapshotId {
 /// never land in someone else's buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct BackingId(pub u64);
+
+impl fmt::Display for BackingId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "backing {}", self.0)
+    }
+}

@@ -6,12 +6,17 @@
 //! the pages the row's page table names and returns the logits the rows ask for. Which pages a
 //! sequence owns is decided outside, by the pool; a backend only trusts the plan it is given,
 //! after checking it is well-formed.
+//!
+//! A backend also holds the bytes of snapshots: each snapshot owns one buffer (its backing),
+//! allocated on request in a tier, filled from pool pages on save and copied back into any
+//! pool pages on restore. Which backings exist and what they may cost is the store's business.
 
 use std::ops::Range;
 
-use cache::{KvGeometry, PageId};
+use cache::{BackingId, KvGeometry, PageCopy, PageId, Tier};
 
 use crate::error::{EngineError, Result};
+use crate::sampling::Sampler;
 
 /// Which logits a row wants back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,11 +154,66 @@ pub struct BackendInfo {
     pub max_positions: usize,
 }
 
-/// A device that runs steps of one model over its own KV pages.
+/// Bytes a backend holds, by purpose.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryReport {
+    pub weights_bytes: u64,
+    pub pool_bytes: u64,
+    pub device_snapshot_bytes: u64,
+    pub host_snapshot_bytes: u64,
+    pub backings: usize,
+}
+
+/// A device that runs steps of one model over its own KV pages and holds snapshot buffers.
 pub trait Backend: Send {
     fn info(&self) -> &BackendInfo;
 
     /// Runs one step. A plan that fails [`StepPlan::validate`] is refused before anything is
     /// written.
     fn step(&mut self, plan: &StepPlan) -> Result<StepOutput>;
+
+    /// Runs one step and picks the next token of every row whose sampler is given, from the
+    /// logits after its last token; rows without a sampler get `None`. Backends that can sample
+    /// on the device override this; the default samples on the host.
+    fn step_and_sample(
+        &mut self,
+        plan: &StepPlan,
+        samplers: &mut [Option<&mut Sampler>],
+    ) -> Result<Vec<Option<u32>>> {
+        assert_eq!(plan.rows.len(), samplers.len(), "one sampler slot per row");
+        let output = self.step(plan)?;
+        let mut tokens = Vec::with_capacity(samplers.len());
+        for (row, sampler) in samplers.iter_mut().enumerate() {
+            tokens.push(match sampler {
+                Some(sampler) if !output.row_ranges[row].is_empty() => {
+                    Some(sampler.sample(&mut output.last_logits(row).to_vec()))
+                }
+                Some(_) => {
+                    return Err(EngineError::InvalidStep(format!(
+                        "row {row} has a sampler but asks for no logits"
+                    )));
+                }
+                None => None,
+            });
+        }
+        Ok(tokens)
+    }
+
+    /// Allocates the buffer of a snapshot of `bytes` in `tier`. Fails, holding nothing, when
+    /// the memory is not there.
+    fn alloc_backing(&mut self, backing: BackingId, tier: Tier, bytes: u64) -> Result<()>;
+
+    /// Releases a snapshot's buffer.
+    fn free_backing(&mut self, backing: BackingId) -> Result<()>;
+
+    /// Copies pool page `pool_page` into page `snapshot_page` of the backing, for each copy.
+    fn save_pages(&mut self, backing: BackingId, copies: &[PageCopy]) -> Result<()>;
+
+    /// Copies page `snapshot_page` of the backing into pool page `pool_page`, for each copy.
+    fn restore_pages(&mut self, backing: BackingId, copies: &[PageCopy]) -> Result<()>;
+
+    /// Copies one backing into another of the same size (a demotion to the host tier).
+    fn copy_backing(&mut self, from: BackingId, to: BackingId) -> Result<()>;
+
+    fn memory(&self) -> MemoryReport;
 }

@@ -94,6 +94,12 @@ pub enum EngineError {
     #[error("the prompt has {tokens} tokens; at most {limit} fit in the context")]
     PromptTooLong { tokens: usize, limit: usize },
 
+    #[error("snapshot buffer {0}: {1}")]
+    Backing(String, String),
+
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
+
     #[error("invalid step: {0}")]
     InvalidStep(String),
 

@@ -40,6 +40,42 @@ impl KvPages {
         (pages[pos / pt].index() * pt + pos % pt) * self.geometry.token_elems_per_layer()
     }
 
+    /// Elements of one page of one layer's K (or V).
+    pub fn page_elems(&self) -> usize {
+        self.geometry.page_tokens * self.geometry.token_elems_per_layer()
+    }
+
+    /// Elements of one page across all layers, K and V: one snapshot page.
+    pub fn snapshot_page_elems(&self) -> usize {
+        2 * self.geometry.layers * self.page_elems()
+    }
+
+    /// Copies `page` into `out` (one snapshot page: each layer's K block, then its V block).
+    pub fn read_page(&self, page: PageId, out: &mut [f32]) {
+        let n = self.page_elems();
+        let at = page.index() * n;
+        for (layer, blocks) in out.chunks_exact_mut(2 * n).enumerate() {
+            let (k, v) = blocks.split_at_mut(n);
+            k.copy_from_slice(&self.k[layer][at..at + n]);
+            v.copy_from_slice(&self.v[layer][at..at + n]);
+        }
+    }
+
+    /// Overwrites `page` with one snapshot page, the inverse of [`KvPages::read_page`].
+    pub fn write_page(&mut self, page: PageId, data: &[f32]) {
+        let n = self.page_elems();
+        let at = page.index() * n;
+        for (layer, blocks) in data.chunks_exact(2 * n).enumerate() {
+            let (k, v) = blocks.split_at(n);
+            self.k[layer][at..at + n].copy_from_slice(k);
+            self.v[layer][at..at + n].copy_from_slice(v);
+        }
+    }
+
+    pub fn bytes(&self) -> u64 {
+        (self.k.iter().chain(&self.v).map(Vec::len).sum::<usize>() * 4) as u64
+    }
+
     /// Stores one token's K and V (`kv_heads × head_dim` each) for `layer`.
     pub fn write(&mut self, layer: usize, pages: &[PageId], pos: usize, k: &[f32], v: &[f32]) {
         let at = self.offset(pages, pos);

@@ -10,9 +10,11 @@ pub mod kernels;
 pub mod matmul;
 mod weights;
 
-use cache::KvGeometry;
+use std::collections::HashMap;
 
-use crate::backend::{Backend, BackendInfo, LogitsWanted, StepOutput, StepPlan};
+use cache::{BackingId, KvGeometry, PageCopy, Tier};
+
+use crate::backend::{Backend, BackendInfo, LogitsWanted, MemoryReport, StepOutput, StepPlan};
 use crate::error::{EngineError, Result};
 use crate::model::{ModelConfig, ModelFiles, Weights};
 use attention::{AttentionShape, KvPages, QueryPos};
@@ -61,6 +63,8 @@ pub struct CpuBackend {
     config: ModelConfig,
     weights: CpuWeights,
     kv: KvPages,
+    /// Snapshot buffers; both tiers are host memory here.
+    backings: HashMap<BackingId, (Tier, Vec<f32>)>,
     info: BackendInfo,
     inv_freq: Vec<f32>,
     pool: rayon::ThreadPool,
@@ -111,6 +115,7 @@ impl CpuBackend {
         Ok(Self {
             weights: CpuWeights::load(weights, &config)?,
             kv: KvPages::new(geometry, options.num_pages),
+            backings: HashMap::new(),
             inv_freq: config.rope_inv_freq(),
             config,
             info,
@@ -121,6 +126,29 @@ impl CpuBackend {
 
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    fn backing(&mut self, id: BackingId) -> Result<&mut Vec<f32>> {
+        self.backings
+            .get_mut(&id)
+            .map(|(_, data)| data)
+            .ok_or_else(|| EngineError::Backing(id.to_string(), "no such buffer".into()))
+    }
+
+    /// Checks that every copy names a page of the pool and a page of a buffer of `len` elements.
+    fn check_copies(&self, id: BackingId, len: usize, copies: &[PageCopy]) -> Result<()> {
+        let page = self.kv.snapshot_page_elems();
+        for copy in copies {
+            if copy.pool_page.index() >= self.info.num_pages
+                || (copy.snapshot_page as usize + 1) * page > len
+            {
+                return Err(EngineError::Backing(
+                    id.to_string(),
+                    format!("copy {copy:?} is out of range"),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -140,6 +168,93 @@ impl Backend for CpuBackend {
             inv_freq: &self.inv_freq,
         };
         Ok(pool.install(|| forward.run(plan)))
+    }
+
+    fn alloc_backing(&mut self, backing: BackingId, tier: Tier, bytes: u64) -> Result<()> {
+        if self.backings.contains_key(&backing) {
+            return Err(EngineError::Backing(
+                backing.to_string(),
+                "already allocated".into(),
+            ));
+        }
+        let elems = usize::try_from(bytes.div_ceil(4))
+            .map_err(|_| EngineError::OutOfMemory(format!("{bytes} bytes")))?;
+        let mut data = Vec::new();
+        data.try_reserve_exact(elems).map_err(|e| {
+            EngineError::OutOfMemory(format!("snapshot buffer of {bytes} bytes: {e}"))
+        })?;
+        data.resize(elems, 0.0);
+        self.backings.insert(backing, (tier, data));
+        Ok(())
+    }
+
+    fn free_backing(&mut self, backing: BackingId) -> Result<()> {
+        self.backings
+            .remove(&backing)
+            .map(drop)
+            .ok_or_else(|| EngineError::Backing(backing.to_string(), "no such buffer".into()))
+    }
+
+    fn save_pages(&mut self, backing: BackingId, copies: &[PageCopy]) -> Result<()> {
+        let len = self.backing(backing)?.len();
+        self.check_copies(backing, len, copies)?;
+        let page = self.kv.snapshot_page_elems();
+        let (_, data) = self.backings.get_mut(&backing).expect("checked above");
+        for copy in copies {
+            let at = copy.snapshot_page as usize * page;
+            self.kv.read_page(copy.pool_page, &mut data[at..at + page]);
+        }
+        Ok(())
+    }
+
+    fn restore_pages(&mut self, backing: BackingId, copies: &[PageCopy]) -> Result<()> {
+        let len = self.backing(backing)?.len();
+        self.check_copies(backing, len, copies)?;
+        let page = self.kv.snapshot_page_elems();
+        let (_, data) = &self.backings[&backing];
+        for copy in copies {
+            let at = copy.snapshot_page as usize * page;
+            self.kv.write_page(copy.pool_page, &data[at..at + page]);
+        }
+        Ok(())
+    }
+
+    fn copy_backing(&mut self, from: BackingId, to: BackingId) -> Result<()> {
+        let source = std::mem::take(self.backing(from)?);
+        let result = match self.backing(to) {
+            Ok(target) if target.len() == source.len() => {
+                target.copy_from_slice(&source);
+                Ok(())
+            }
+            Ok(target) => Err(EngineError::Backing(
+                to.to_string(),
+                format!(
+                    "holds {} elements, the source {}",
+                    target.len(),
+                    source.len()
+                ),
+            )),
+            Err(e) => Err(e),
+        };
+        *self.backing(from).expect("taken from it above") = source;
+        result
+    }
+
+    fn memory(&self) -> MemoryReport {
+        let tier_bytes = |tier: Tier| {
+            self.backings
+                .values()
+                .filter(|(t, _)| *t == tier)
+                .map(|(_, d)| d.len() as u64 * 4)
+                .sum()
+        };
+        MemoryReport {
+            weights_bytes: self.weights.bytes(),
+            pool_bytes: self.kv.bytes(),
+            device_snapshot_bytes: tier_bytes(Tier::Device),
+            host_snapshot_bytes: tier_bytes(Tier::Host),
+            backings: self.backings.len(),
+        }
     }
 }
 

@@ -48,6 +48,28 @@ impl CpuWeights {
         })
     }
 
+    pub fn bytes(&self) -> u64 {
+        let layer = |l: &Layer| {
+            [
+                &l.attn_norm,
+                &l.wqkv,
+                &l.wo,
+                &l.ffn_norm,
+                &l.w_gate_up,
+                &l.w_down,
+            ]
+            .iter()
+            .map(|v| v.len())
+            .sum::<usize>()
+                + l.bqkv.as_ref().map_or(0, Vec::len)
+        };
+        let elems = self.embed.len()
+            + self.norm.len()
+            + self.lm_head.as_ref().map_or(0, Vec::len)
+            + self.layers.iter().map(layer).sum::<usize>();
+        elems as u64 * 4
+    }
+
     pub fn lm_head(&self) -> &[f32] {
         self.lm_head.as_deref().unwrap_or(&self.embed)
     }
