@@ -22,10 +22,62 @@ pub const MAX_PAGE_TOKENS: usize = 1024;
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
+    pub engine: EngineConfig,
     pub cache: CacheConfig,
     pub snapshots: SnapshotConfig,
     pub backoff: BackoffConfig,
     pub admission: AdmissionConfig,
+}
+
+/// Which backend runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendKind {
+    /// CUDA when a usable GPU is found, else the CPU.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// `[engine]`: the backend and the device resources it may take.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    pub backend: BackendKind,
+    /// CPU backend threads; 0 takes every core.
+    pub threads: usize,
+    /// CUDA device ordinal.
+    pub device: usize,
+    /// Fraction of the GPU's memory snapserve may hold in all: weights, workspaces, the pool
+    /// and the device snapshot tier.
+    pub gpu_memory_fraction: f64,
+    /// Replay decode steps as CUDA graphs.
+    pub cuda_graphs: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            backend: BackendKind::Auto,
+            threads: 0,
+            device: 0,
+            gpu_memory_fraction: 0.9,
+            cuda_graphs: true,
+        }
+    }
+}
+
+impl EngineConfig {
+    pub fn validate(&self) -> Result<EngineConfig, PolicyError> {
+        let fraction = self.gpu_memory_fraction;
+        require(
+            fraction > 0.0 && fraction <= 1.0,
+            "engine.gpu_memory_fraction",
+            || format!("must be in (0, 1], got {fraction}"),
+        )?;
+        Ok(self.clone())
+    }
 }
 
 /// `[cache]`: the working pool.
@@ -197,6 +249,7 @@ impl AdmissionPolicy {
 /// Everything the cache manager and the scheduler are built from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Policies {
+    pub engine: EngineConfig,
     pub cache: CachePolicy,
     pub snapshots: SnapshotPolicy,
     pub backoff: BackoffPolicy,
@@ -218,6 +271,7 @@ impl Config {
 
     pub fn validate(&self) -> Result<Policies, PolicyError> {
         Ok(Policies {
+            engine: self.engine.validate()?,
             cache: self.cache.validate()?,
             snapshots: self.snapshots.validate()?,
             backoff: self.backoff.validate()?,
@@ -354,6 +408,21 @@ impl AdmissionConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn engine_section_reads_and_checks_the_memory_fraction() {
+        let policies =
+            Policies::from_toml("[engine]\nbackend = \"cuda\"\ngpu_memory_fraction = 0.5\n")
+                .unwrap();
+        assert_eq!(policies.engine.backend, BackendKind::Cuda);
+        assert_eq!(policies.engine.gpu_memory_fraction, 0.5);
+        let err = Policies::from_toml("[engine]\ngpu_memory_fraction = 1.5\n").unwrap_err();
+        assert!(
+            err.to_string().contains("engine.gpu_memory_fraction"),
+            "{err}"
+        );
+        assert!(Policies::from_toml("[engine]\nbackend = \"tpu\"\n").is_err());
+    }
 
     fn invalid_key(text: &str) -> &'static str {
         let err = Policies::from_toml(text).expect_err("configuration should be refused");

@@ -19,8 +19,8 @@ pub mod reservation;
 
 pub use backoff::{Backoff, BackoffPolicy, BackoffStep, OnExhausted};
 pub use config::{
-    AdmissionConfig, AdmissionPolicy, BackoffConfig, CacheConfig, CachePolicy, Config, Policies,
-    PoolSize, SnapshotConfig, SnapshotPolicy,
+    AdmissionConfig, AdmissionPolicy, BackendKind, BackoffConfig, CacheConfig, CachePolicy, Config,
+    EngineConfig, Policies, PoolSize, SnapshotConfig, SnapshotPolicy,
 };
 pub use error::PolicyError;
 pub use eviction::{EvictionKind, EvictionPolicy, Lru};
