@@ -2,5 +2,27 @@
 //!
 //! `Engine` (the backend, on its own thread), `KvPool` (the working pool's bookkeeping),
 //! `SnapshotStore` (the snapshot index) and `Admission` (queue and scheduler) talk only by
-//! messages; the HTTP handlers validate a request, submit it to `Admission` and read the
-//! request's own token channel. This is the only crate that knows actix.
+//! messages. Callers submit through [`Handles`] and read their request's own channel. This is
+//! the only crate that knows actix.
+//!
+//! - [`start`]: builds the actors around a backend and returns their [`Handles`].
+//! - [`admission`], [`engine`], [`kv_pool`], [`snapshot_store`]: one file per actor, with its
+//!   messages.
+//! - [`scheduler`]: the scheduling state machine the `Admission` actor drives, pure and tested
+//!   without a runtime.
+//! - [`request`], [`error`]: what callers send and receive.
+
+pub mod admission;
+pub mod engine;
+pub mod error;
+pub mod kv_pool;
+pub mod request;
+pub mod scheduler;
+pub mod snapshot_store;
+mod start;
+
+pub use error::ServeError;
+pub use request::{
+    Completion, Event, FinishReason, GenerateRequest, RequestId, RequestStream, Usage,
+};
+pub use start::{Handles, ServeConfig, Stats, start};

@@ -100,18 +100,23 @@ impl StepPlan {
                     row.end_pos()
                 ));
             }
-            if let Some(bad) = row.pages[..needed]
-                .iter()
-                .find(|p| p.index() >= limits.num_pages)
-            {
+            let highest = highest_page(&row.pages[..needed]);
+            if highest as usize >= limits.num_pages {
                 return fail(format!(
-                    "page {} does not exist (the pool has {})",
-                    bad.0, limits.num_pages
+                    "page {highest} does not exist (the pool has {})",
+                    limits.num_pages
                 ));
             }
         }
         Ok(())
     }
+}
+
+/// The largest page id in a page table (compiled for wide vectors: it runs over every page of
+/// every row of every step).
+#[multiversion::multiversion(targets("x86_64+avx512f", "x86_64+avx2"))]
+fn highest_page(pages: &[PageId]) -> u32 {
+    pages.iter().fold(0, |highest, page| highest.max(page.0))
 }
 
 /// The logits a step returns, rows in plan order.
@@ -181,12 +186,14 @@ pub trait Backend: Send {
         samplers: &mut [Option<&mut Sampler>],
     ) -> Result<Vec<Option<u32>>> {
         assert_eq!(plan.rows.len(), samplers.len(), "one sampler slot per row");
-        let output = self.step(plan)?;
+        let mut output = self.step(plan)?;
         let mut tokens = Vec::with_capacity(samplers.len());
         for (row, sampler) in samplers.iter_mut().enumerate() {
+            let range = output.row_ranges[row].clone();
             tokens.push(match sampler {
-                Some(sampler) if !output.row_ranges[row].is_empty() => {
-                    Some(sampler.sample(&mut output.last_logits(row).to_vec()))
+                Some(sampler) if !range.is_empty() => {
+                    let last = (range.end - 1) * output.vocab_size;
+                    Some(sampler.sample(&mut output.logits[last..last + output.vocab_size]))
                 }
                 Some(_) => {
                     return Err(EngineError::InvalidStep(format!(

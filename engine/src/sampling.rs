@@ -226,9 +226,23 @@ impl Sampler {
         draw(&self.candidates, uniform).unwrap_or_else(|| argmax(logits))
     }
 
+    /// Draws the uniform the next stochastic pick uses, for a backend that applies the filters
+    /// and draws on its own device: the request's RNG advances exactly as [`Sampler::sample`]
+    /// would advance it, so a seeded request stays reproducible.
+    pub fn draw_uniform(&mut self) -> f64 {
+        uniform_f64(&mut self.rng)
+    }
+
     /// Records a generated token, for the penalties of later steps.
     pub fn accept(&mut self, token: u32) {
-        *self.output_counts.entry(token).or_insert(0) += 1;
+        // Only the penalties read the history; greedy and plain sampling skip the map.
+        let params = &self.params;
+        if params.repetition_penalty != 1.0
+            || params.presence_penalty != 0.0
+            || params.frequency_penalty != 0.0
+        {
+            *self.output_counts.entry(token).or_insert(0) += 1;
+        }
     }
 
     fn apply_penalties(&self, logits: &mut [f32]) {

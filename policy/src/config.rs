@@ -102,6 +102,10 @@ pub struct SnapshotConfig {
     pub eviction: EvictionKind,
     /// Move a snapshot evicted from the device tier to the host tier when the host has room.
     pub demote_to_host: bool,
+    /// Save a snapshot of every prompt once it is prefilled.
+    pub save_prompts: bool,
+    /// Prompts shorter than this are not saved (their prefill is cheap).
+    pub min_save_tokens: usize,
 }
 
 /// `[backoff]`: what a job that hit context-full does.
@@ -147,6 +151,8 @@ impl Default for SnapshotConfig {
             host_budget_bytes: 0,
             eviction: EvictionKind::Lru,
             demote_to_host: false,
+            save_prompts: true,
+            min_save_tokens: 64,
         }
     }
 }
@@ -209,6 +215,8 @@ pub struct SnapshotPolicy {
     host_budget_bytes: u64,
     eviction: EvictionKind,
     demote_to_host: bool,
+    save_prompts: bool,
+    min_save_tokens: usize,
 }
 
 impl SnapshotPolicy {
@@ -223,6 +231,12 @@ impl SnapshotPolicy {
     }
     pub fn demote_to_host(&self) -> bool {
         self.demote_to_host
+    }
+    pub fn save_prompts(&self) -> bool {
+        self.save_prompts
+    }
+    pub fn min_save_tokens(&self) -> usize {
+        self.min_save_tokens
     }
 }
 
@@ -347,6 +361,8 @@ impl SnapshotConfig {
             host_budget_bytes: self.host_budget_bytes,
             eviction: self.eviction,
             demote_to_host: self.demote_to_host,
+            save_prompts: self.save_prompts,
+            min_save_tokens: self.min_save_tokens,
         })
     }
 }

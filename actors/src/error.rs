@@ -1,0 +1,49 @@
+//! The actors' one error type: why a request was refused or why it failed.
+//!
+//! Every variant is something a caller can see and act on, and carries a stable machine code;
+//! the HTTP status is decided from the code in one place (the server). Values are `Clone` so a
+//! failure can be delivered on a request's channel and logged.
+
+use std::time::Duration;
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ServeError {
+    /// The queue is full; try again after `retry_after`.
+    #[error("the server is overloaded; retry after {} ms", retry_after.as_millis())]
+    Overloaded { retry_after: Duration },
+
+    /// The request can never run as given.
+    #[error("invalid request: {0}")]
+    Invalid(String),
+
+    /// The scheduler has stopped.
+    #[error("the server is shutting down")]
+    ShuttingDown,
+
+    /// The backend failed a step this request was part of.
+    #[error("the engine failed: {0}")]
+    Engine(String),
+
+    /// The pool had no room for the request's next tokens after every back-off attempt.
+    #[error(
+        "context full: needed {needed_pages} more pages, {free_pages} available, after {attempts} attempts"
+    )]
+    ContextFull {
+        needed_pages: usize,
+        free_pages: usize,
+        attempts: u32,
+    },
+}
+
+impl ServeError {
+    /// A stable identifier for clients and metrics.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ServeError::Overloaded { .. } => "overloaded",
+            ServeError::Invalid(_) => "validation",
+            ServeError::ShuttingDown => "shutting_down",
+            ServeError::Engine(_) => "engine_error",
+            ServeError::ContextFull { .. } => "context_full",
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! One request as the scheduler tracks it, from submission to its terminal event.
+//!
+//! There is no prefill phase and no decode phase: a job has `tokens` (its prompt and what it
+//! generated so far) and `computed`, how many of them have KV in its pages. A step runs some of
+//! `tokens[computed..]`; when it reaches the end, the backend samples the next token. A decode
+//! step is the case where one token is pending.
+
+use std::time::Instant;
+
+use cache::{PageId, PrefixHash, PrefixHasher, SlotHandle, SnapshotId};
+use engine::sampling::Sampler;
+use policy::Backoff;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::error::ServeError;
+use crate::request::{Event, FinishReason, RequestId, Usage};
+
+/// The pages a running job holds.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    pub handle: SlotHandle,
+    /// The page table, as the pool last reported it.
+    pub pages: Vec<PageId>,
+    /// Positions the pool has allocated for the job.
+    pub held_tokens: usize,
+}
+
+#[derive(Debug)]
+pub(crate) struct Job {
+    pub id: RequestId,
+    events: UnboundedSender<Event>,
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Most tokens it may generate (already clipped to the model's context).
+    pub max_new: usize,
+    /// `None` only while lent to the engine for a step.
+    pub sampler: Option<Box<Sampler>>,
+    /// Chained hashes of the full pages of `tokens`, extended as needed.
+    chain: Vec<PrefixHash>,
+    pub slot: Option<Slot>,
+    pub computed: usize,
+    pub backoff: Backoff,
+    /// Not scheduled before this instant (back-off).
+    pub blocked_until: Option<Instant>,
+    /// A restore into its pages is in flight this step.
+    pub restoring: Option<SnapshotId>,
+    pub prompt_saved: bool,
+    /// Cancelled by an explicit request; removed at the next step.
+    pub cancelled: bool,
+    pub submitted_at: Instant,
+    pub usage: Usage,
+}
+
+impl Job {
+    pub fn new(
+        id: RequestId,
+        prompt: Vec<u32>,
+        max_new: usize,
+        sampler: Sampler,
+        events: UnboundedSender<Event>,
+        submitted_at: Instant,
+    ) -> Self {
+        let usage = Usage {
+            prompt_tokens: prompt.len(),
+            ..Usage::default()
+        };
+        Job {
+            id,
+            events,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            max_new,
+            sampler: Some(Box::new(sampler)),
+            chain: Vec::new(),
+            slot: None,
+            computed: 0,
+            backoff: Backoff::new(),
+            blocked_until: None,
+            restoring: None,
+            prompt_saved: false,
+            cancelled: false,
+            submitted_at,
+            usage,
+        }
+    }
+
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens whose KV still has to be computed.
+    pub fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    /// Whether the caller has gone away.
+    pub fn abandoned(&self) -> bool {
+        self.events.is_closed()
+    }
+
+    pub fn ready(&self, now: Instant) -> bool {
+        self.restoring.is_none() && self.blocked_until.is_none_or(|t| t <= now)
+    }
+
+    /// The chain of the first `pages` full pages of its tokens.
+    pub fn chain(&mut self, hasher: &PrefixHasher, pages: usize) -> &[PrefixHash] {
+        if self.chain.len() < pages {
+            hasher.extend(
+                &mut self.chain,
+                &self.tokens[..pages * hasher.page_tokens()],
+            );
+        }
+        &self.chain[..pages]
+    }
+
+    pub fn emit_token(&self, token: u32) {
+        // A closed channel is a cancelled request; the next sweep removes it.
+        let _ = self.events.send(Event::Token(token));
+    }
+
+    pub fn finish(self, reason: FinishReason) {
+        let usage = Usage {
+            completion_tokens: self.generated(),
+            ..self.usage
+        };
+        let _ = self.events.send(Event::Finished { reason, usage });
+    }
+
+    pub fn fail(self, error: ServeError) {
+        let _ = self.events.send(Event::Failed(error));
+    }
+
+    pub fn cancel(self) {
+        let _ = self.events.send(Event::Cancelled);
+    }
+}

@@ -1,0 +1,225 @@
+//! The scheduler: the queue, every job's progress, and the steps built from them.
+//!
+//! The invariant everything here keeps: there is no prefill phase and no decode phase. Each job
+//! has `tokens` (prompt plus output so far) and `computed` (those with KV in its pages); a step
+//! runs a slice of `tokens[computed..]` for as many jobs as the token budget allows, one-token
+//! rows first so long prompts never starve decodes, and samples for every row that reaches
+//! its job's end.
+//!
+//! Pure state: no actix, no I/O, no clock of its own (callers pass `now`). The `Admission`
+//! actor drives each step through the other actors, one exchange per phase:
+//!
+//! 1. [`Scheduler::begin_step`]: sweeps cancelled jobs, plans rows, and returns the snapshot
+//!    lookups of the jobs that may be admitted;
+//! 2. [`Scheduler::plan_pool`]: with the lookups' hits, the pool changes (releases, admissions
+//!    with their restored prefix, extensions for the rows);
+//! 3. [`Scheduler::plan_store`]: with the pool's answers, the store changes (pins for restores,
+//!    charges for saves, commits of the last step's copies); a job the pool refused backs off
+//!    alone, and is preempted or failed when its attempts run out;
+//! 4. [`Scheduler::plan_engine`]: with the store's answers, the engine step, if any;
+//! 5. [`Scheduler::finish_step`]: with the engine's answer, tokens go out, jobs end, and what
+//!    must follow (releases, commits) is queued for the next step.
+
+mod job;
+mod step;
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use cache::{PrefixHasher, PrefixSalt, Tier};
+use engine::sampling::Sampler;
+use policy::{BackoffPolicy, ReservationPolicy};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use tokio::sync::mpsc;
+
+use crate::error::ServeError;
+use crate::request::{GenerateRequest, RequestId, RequestStream};
+use job::Job;
+pub use step::StepOutcome;
+use step::{Draft, StoreFollowUp};
+
+/// What the scheduler is built from.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub max_queue: usize,
+    pub max_running: usize,
+    pub step_token_budget: usize,
+    pub page_tokens: usize,
+    pub total_pages: usize,
+    /// The most positions a sequence may reach.
+    pub context_tokens: usize,
+    pub vocab_size: usize,
+    pub eos_token_ids: Vec<u32>,
+    pub reservation: ReservationPolicy,
+    pub backoff: BackoffPolicy,
+    pub save_prompts: bool,
+    pub min_save_tokens: usize,
+    pub save_tier: Tier,
+    pub salt: PrefixSalt,
+    /// Seeds back-off jitter, so tests replay exactly.
+    pub seed: u64,
+}
+
+/// Counters of the scheduler's own decisions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    pub submitted: u64,
+    pub finished: u64,
+    pub failed: u64,
+    pub cancelled: u64,
+    pub backoffs: u64,
+    pub preemptions: u64,
+    pub steps: u64,
+    pub restored_tokens: u64,
+    pub queued: usize,
+    pub running: usize,
+}
+
+pub struct Scheduler {
+    config: SchedulerConfig,
+    hasher: PrefixHasher,
+    rng: ChaCha8Rng,
+    next_id: u64,
+    queue: VecDeque<Job>,
+    running: Vec<Job>,
+    /// Deferred to the next step's pool exchange: slots whose pages may be freed.
+    releases: Vec<cache::SlotHandle>,
+    /// Deferred to the next step's store exchange.
+    follow_ups: Vec<StoreFollowUp>,
+    draft: Option<Draft>,
+    /// Row buffers of past steps, refilled instead of reallocated.
+    spare_rows: Vec<engine::backend::RowPlan>,
+    /// Pages nobody holds or is promised, as the pool last said; admission stops at the first
+    /// queued job whose reservation does not fit (first come, first served).
+    available_pages: usize,
+    stats: SchedulerStats,
+    /// Smoothed submit-to-end time of requests, for `retry_after`.
+    latency_ewma: Duration,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Self {
+        Scheduler {
+            hasher: PrefixHasher::new(config.salt, config.page_tokens),
+            rng: ChaCha8Rng::seed_from_u64(config.seed),
+            next_id: 0,
+            queue: VecDeque::new(),
+            running: Vec::new(),
+            releases: Vec::new(),
+            follow_ups: Vec::new(),
+            draft: None,
+            spare_rows: Vec::new(),
+            available_pages: config.total_pages,
+            stats: SchedulerStats::default(),
+            latency_ewma: Duration::from_millis(500),
+            config,
+        }
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            queued: self.queue.len(),
+            running: self.running.len(),
+            ..self.stats
+        }
+    }
+
+    /// Queues a request, or refuses it: invalid input, or a full queue.
+    pub fn submit(&mut self, request: GenerateRequest) -> Result<RequestStream, ServeError> {
+        self.validate(&request)?;
+        if self.queue.len() >= self.config.max_queue {
+            return Err(ServeError::Overloaded {
+                retry_after: self.retry_after(),
+            });
+        }
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        let room = self.config.context_tokens - request.prompt.len();
+        let max_new = request.params.max_tokens.min(room);
+        let sampler = Sampler::new(&request.params, &request.prompt);
+        let (events, receiver) = mpsc::unbounded_channel();
+        self.queue.push_back(Job::new(
+            id,
+            request.prompt,
+            max_new,
+            sampler,
+            events,
+            Instant::now(),
+        ));
+        self.stats.submitted += 1;
+        Ok(RequestStream {
+            id,
+            events: receiver,
+        })
+    }
+
+    fn validate(&self, request: &GenerateRequest) -> Result<(), ServeError> {
+        let invalid = |reason: String| Err(ServeError::Invalid(reason));
+        let prompt = &request.prompt;
+        if prompt.is_empty() {
+            return invalid("the prompt is empty".into());
+        }
+        if let Some(&bad) = prompt
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return invalid(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.config.vocab_size
+            ));
+        }
+        if prompt.len() >= self.config.context_tokens {
+            let limit = self.config.context_tokens - 1;
+            return invalid(format!(
+                "the prompt has {} tokens; at most {limit} fit in the context",
+                prompt.len()
+            ));
+        }
+        request
+            .params
+            .validate()
+            .map_err(|e| ServeError::Invalid(e.to_string()))
+    }
+
+    /// How long a refused caller should wait: the queue ahead of it, drained `max_running`
+    /// at a time at the recent request latency.
+    fn retry_after(&self) -> Duration {
+        let rounds = self.queue.len().div_ceil(self.config.max_running.max(1)) as u32;
+        (self.latency_ewma * rounds.max(1))
+            .clamp(Duration::from_millis(100), Duration::from_secs(60))
+    }
+
+    /// Marks a request cancelled by its caller; it ends at the next step.
+    pub fn cancel(&mut self, id: RequestId) {
+        if let Some(index) = self.queue.iter().position(|j| j.id == id) {
+            let job = self.queue.remove(index).expect("position is in range");
+            self.stats.cancelled += 1;
+            job.cancel();
+        } else if let Some(job) = self.running.iter_mut().find(|j| j.id == id) {
+            job.cancelled = true;
+        }
+    }
+
+    /// Whether a step could do something now, and else when one could.
+    pub fn readiness(&self, now: Instant) -> (bool, Option<Instant>) {
+        let pending_work = !self.releases.is_empty() || !self.follow_ups.is_empty();
+        let runnable = self
+            .running
+            .iter()
+            .any(|j| j.cancelled || j.abandoned() || (j.ready(now) && j.pending() > 0));
+        let admissible = self.running.len() < self.config.max_running
+            && self.queue.iter().any(|j| j.ready(now) || j.abandoned());
+        let wake = self
+            .running
+            .iter()
+            .chain(&self.queue)
+            .filter_map(|j| j.blocked_until)
+            .filter(|&t| t > now)
+            .min();
+        (pending_work || runnable || admissible, wake)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,740 @@
+//! One step of the scheduler, phase by phase (see the module above for the order).
+//!
+//! Jobs are found by their index in `running`, which only changes at the start of a step
+//! (cancelled jobs swept) and at its end (finished jobs removed, admitted ones appended), so the
+//! indices a draft holds stay valid in between.
+
+use std::time::{Duration, Instant};
+
+use cache::{CacheError, LookupHit, PoolStats, SaveReservation, SaveStart, SnapshotId};
+use engine::backend::{LogitsWanted, RowPlan, StepPlan};
+use engine::sampling::Sampler;
+use policy::{BackoffStep, OnExhausted, ReservationPolicy};
+
+use super::Scheduler;
+use super::job::{Job, Slot};
+use crate::engine::{EngineStep, EngineStepReply, RestoreCopy, SaveCopy};
+use crate::error::ServeError;
+use crate::kv_pool::{PoolOp, PoolReply};
+use crate::request::FinishReason;
+use crate::snapshot_store::{StoreOp, StoreReply};
+
+/// A slice of one running job's tokens to compute this step.
+#[derive(Debug, Clone, Copy)]
+struct Row {
+    job: usize,
+    start: usize,
+    end: usize,
+    /// Dropped when the pool could not extend the job.
+    live: bool,
+}
+
+/// What a save copies, and for whom.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SaveKind {
+    Prompt,
+    Preemption,
+}
+
+/// A store change that waits for the next step, once the engine has done its part.
+#[derive(Debug)]
+pub(super) enum StoreFollowUp {
+    FinishRestore(SnapshotId),
+    Commit(SaveReservation),
+    Abort(SaveReservation),
+    CommitDemotion(SnapshotId),
+    AbortDemotion(SnapshotId),
+}
+
+impl StoreFollowUp {
+    fn into_op(self) -> StoreOp {
+        match self {
+            StoreFollowUp::FinishRestore(id) => StoreOp::FinishRestore(id),
+            StoreFollowUp::Commit(r) => StoreOp::CommitSave(r),
+            StoreFollowUp::Abort(r) => StoreOp::AbortSave(r),
+            StoreFollowUp::CommitDemotion(id) => StoreOp::CommitDemotion(id),
+            StoreFollowUp::AbortDemotion(id) => StoreOp::AbortDemotion(id),
+        }
+    }
+}
+
+/// What each pool operation of the step was for.
+#[derive(Debug, Clone, Copy)]
+enum PoolPurpose {
+    Release,
+    Extend(usize),
+    Admit(usize),
+}
+
+/// What each store operation of phase 3 was for.
+#[derive(Debug, Clone, Copy)]
+enum StorePurpose {
+    Restore(usize),
+    Save(usize, SaveKind),
+}
+
+/// The step being built, between the phases.
+#[derive(Default)]
+pub(super) struct Draft {
+    rows: Vec<Row>,
+    /// How many of phase 1's store operations were follow-ups of the last step.
+    follow_ups: usize,
+    /// Jobs taken from the queue to admit, with their lookup hit.
+    candidates: Vec<(Job, Option<LookupHit>)>,
+    pool_purposes: Vec<PoolPurpose>,
+    store_purposes: Vec<StorePurpose>,
+    /// Running jobs whose attempts ran out: saved (if possible) and requeued this step.
+    preempting: Vec<usize>,
+    /// Running jobs that end this step without running (context full, `on_exhausted = fail`).
+    failing: Vec<(usize, ServeError)>,
+    restores: Vec<(usize, SnapshotId)>,
+    saves: Vec<(usize, SaveKind, SaveReservation)>,
+    /// Plan row index to draft row index, for the rows sent to the engine.
+    sent_rows: Vec<usize>,
+}
+
+/// What the step left for the driver to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepOutcome {
+    /// Another step can run right away.
+    pub ready: bool,
+    /// If not, the earliest moment one can (a back-off ends).
+    pub wake_at: Option<Instant>,
+}
+
+impl Scheduler {
+    /// Phase 1: sweeps cancelled jobs and plans rows. Returns the store exchange: the last
+    /// step's follow-ups (so a snapshot saved then is findable now) and a lookup per admission
+    /// candidate.
+    pub fn begin_step(&mut self, now: Instant) -> Vec<StoreOp> {
+        assert!(self.draft.is_none(), "one step at a time");
+        self.sweep_cancelled();
+        let mut draft = Draft {
+            rows: self.plan_rows(now),
+            ..Draft::default()
+        };
+        let mut ops: Vec<StoreOp> = self
+            .follow_ups
+            .drain(..)
+            .map(StoreFollowUp::into_op)
+            .collect();
+        draft.follow_ups = ops.len();
+        let free_slots = self.config.max_running.saturating_sub(self.running.len());
+        let mut waiting = std::collections::VecDeque::new();
+        let mut available = self.available_pages;
+        while draft.candidates.len() < free_slots {
+            let Some(mut job) = self.queue.pop_front() else {
+                break;
+            };
+            if !job.ready(now) {
+                waiting.push_back(job);
+                continue;
+            }
+            let pages = self.admission_pages(&job);
+            if pages > available {
+                waiting.push_back(job);
+                break;
+            }
+            available -= pages;
+            let pages = job.tokens.len() / self.config.page_tokens;
+            ops.push(StoreOp::Lookup(job.chain(&self.hasher, pages).to_vec()));
+            draft.candidates.push((job, None));
+        }
+        waiting.extend(self.queue.drain(..));
+        self.queue = waiting;
+        self.draft = Some(draft);
+        ops
+    }
+
+    /// Pages that must be free to admit `job`: its reservation, or under the optimistic
+    /// policy room for everything it holds plus its next token, so that a job preempted for
+    /// want of pages comes back only once there are more of them than it gave up.
+    fn admission_pages(&self, job: &Job) -> usize {
+        let tokens = match self.config.reservation {
+            ReservationPolicy::WorstCase => job.tokens.len() + job.max_new - job.generated(),
+            ReservationPolicy::Optimistic => job.tokens.len() + 1,
+        };
+        tokens.div_ceil(self.config.page_tokens)
+    }
+
+    fn sweep_cancelled(&mut self) {
+        let mut index = 0;
+        while index < self.running.len() {
+            let job = &self.running[index];
+            if job.cancelled || job.abandoned() {
+                let mut job = self.running.remove(index);
+                if let Some(slot) = job.slot.take() {
+                    self.releases.push(slot.handle);
+                }
+                self.stats.cancelled += 1;
+                job.cancel();
+            } else {
+                index += 1;
+            }
+        }
+        let before = self.queue.len();
+        self.queue.retain(|job| !job.abandoned());
+        self.stats.cancelled += (before - self.queue.len()) as u64;
+    }
+
+    /// One-token rows first, then prompt chunks in arrival order, within the token budget.
+    fn plan_rows(&self, now: Instant) -> Vec<Row> {
+        let mut budget = self.config.step_token_budget;
+        let mut rows = Vec::new();
+        let ready = |job: &Job| job.ready(now) && job.pending() > 0;
+        for (index, job) in self.running.iter().enumerate() {
+            if budget > 0 && ready(job) && job.pending() == 1 {
+                rows.push(Row {
+                    job: index,
+                    start: job.computed,
+                    end: job.computed + 1,
+                    live: true,
+                });
+                budget -= 1;
+            }
+        }
+        for (index, job) in self.running.iter().enumerate() {
+            if budget > 0 && ready(job) && job.pending() > 1 {
+                let n = job.pending().min(budget);
+                rows.push(Row {
+                    job: index,
+                    start: job.computed,
+                    end: job.computed + n,
+                    live: true,
+                });
+                budget -= n;
+            }
+        }
+        rows
+    }
+
+    /// Phase 2: the pool changes, given the store's answers to phase 1.
+    pub fn plan_pool(&mut self, replies: Vec<StoreReply>) -> Vec<PoolOp> {
+        let mut draft = self.draft.take().expect("begin_step ran");
+        let mut replies = replies.into_iter();
+        for reply in replies.by_ref().take(draft.follow_ups) {
+            if let StoreReply::Done(Err(e)) = reply {
+                tracing::error!("snapshot store follow-up: {e}");
+            }
+        }
+        let hits: Vec<Option<LookupHit>> = replies
+            .map(|reply| match reply {
+                StoreReply::Lookup(hit) => hit,
+                other => unreachable!("a lookup answered {other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            hits.len(),
+            draft.candidates.len(),
+            "one lookup per candidate"
+        );
+        let mut ops = Vec::new();
+        for handle in self.releases.drain(..) {
+            ops.push(PoolOp::Release(handle));
+            draft.pool_purposes.push(PoolPurpose::Release);
+        }
+        for (r, row) in draft.rows.iter().enumerate() {
+            let slot = self.running[row.job]
+                .slot
+                .as_ref()
+                .expect("running jobs hold a slot");
+            if row.end > slot.held_tokens {
+                ops.push(PoolOp::Extend {
+                    handle: slot.handle,
+                    tokens: row.end - slot.held_tokens,
+                });
+                draft.pool_purposes.push(PoolPurpose::Extend(r));
+            }
+        }
+        for (c, ((job, hit), found)) in draft.candidates.iter_mut().zip(hits).enumerate() {
+            *hit = found;
+            let initial_tokens = found.map_or(0, |h| h.tokens);
+            ops.push(PoolOp::Admit {
+                prompt_tokens: job.tokens.len(),
+                max_new_tokens: job.max_new - job.generated(),
+                initial_tokens,
+            });
+            draft.pool_purposes.push(PoolPurpose::Admit(c));
+        }
+        self.draft = Some(draft);
+        ops
+    }
+
+    /// Phase 3: applies the pool's answers and returns the store changes.
+    pub fn plan_store(
+        &mut self,
+        replies: Vec<PoolReply>,
+        stats: PoolStats,
+        now: Instant,
+    ) -> Vec<StoreOp> {
+        self.available_pages = stats.available_pages;
+        let mut draft = self.draft.take().expect("plan_pool ran");
+        let purposes = std::mem::take(&mut draft.pool_purposes);
+        let mut admitted = Vec::new();
+        let mut refused = Vec::new();
+        let candidates = std::mem::take(&mut draft.candidates);
+        let mut candidates: Vec<Option<(Job, Option<LookupHit>)>> =
+            candidates.into_iter().map(Some).collect();
+        for (purpose, reply) in purposes.into_iter().zip(replies) {
+            match (purpose, reply) {
+                (PoolPurpose::Release, PoolReply::Released(result)) => {
+                    if let Err(e) = result {
+                        tracing::error!("releasing a slot: {e}");
+                    }
+                }
+                (PoolPurpose::Extend(r), PoolReply::Extended(result)) => {
+                    self.apply_extend(&mut draft, r, result, now)
+                }
+                (PoolPurpose::Admit(c), PoolReply::Admitted(result)) => {
+                    let (job, hit) = candidates[c]
+                        .take()
+                        .expect("each candidate is admitted once");
+                    match result {
+                        Ok((handle, pages)) => admitted.push((
+                            job,
+                            hit,
+                            Slot {
+                                handle,
+                                held_tokens: hit.map_or(0, |h| h.tokens),
+                                pages,
+                            },
+                        )),
+                        Err(CacheError::LargerThanPool {
+                            needed_pages,
+                            total_pages,
+                        }) => {
+                            let reason = format!(
+                                "the request needs {needed_pages} KV pages; the pool has {total_pages}"
+                            );
+                            self.end_failed(job, ServeError::Invalid(reason));
+                        }
+                        Err(_) => refused.push(job),
+                    }
+                }
+                (purpose, reply) => unreachable!("pool answered {reply:?} to {purpose:?}"),
+            }
+        }
+        for job in refused.into_iter().rev() {
+            self.queue.push_front(job);
+        }
+        let mut ops: Vec<StoreOp> = Vec::new();
+        for (job, hit, slot) in admitted {
+            self.admit(job, hit, slot, &mut draft, &mut ops);
+        }
+        self.plan_saves(&mut draft, &mut ops);
+        self.draft = Some(draft);
+        ops
+    }
+
+    fn apply_extend(
+        &mut self,
+        draft: &mut Draft,
+        r: usize,
+        result: Result<Vec<cache::PageId>, CacheError>,
+        now: Instant,
+    ) {
+        let row = draft.rows[r];
+        let job = &mut self.running[row.job];
+        match result {
+            Ok(pages) => {
+                let slot = job.slot.as_mut().expect("running jobs hold a slot");
+                slot.pages.extend(pages);
+                slot.held_tokens = row.end;
+                job.backoff.on_progress();
+            }
+            Err(CacheError::ContextFull {
+                needed_pages,
+                free_pages,
+            }) => {
+                draft.rows[r].live = false;
+                match job.backoff.on_refused(&self.config.backoff, &mut self.rng) {
+                    BackoffStep::Retry { delay_ms, .. } => {
+                        self.stats.backoffs += 1;
+                        job.blocked_until = Some(now + Duration::from_millis(delay_ms));
+                    }
+                    BackoffStep::Exhausted {
+                        action: OnExhausted::Preempt,
+                        ..
+                    } => draft.preempting.push(row.job),
+                    BackoffStep::Exhausted {
+                        attempts,
+                        action: OnExhausted::Fail,
+                    } => {
+                        draft.failing.push((
+                            row.job,
+                            ServeError::ContextFull {
+                                needed_pages,
+                                free_pages,
+                                attempts,
+                            },
+                        ));
+                    }
+                }
+            }
+            Err(e) => {
+                draft.rows[r].live = false;
+                draft.failing.push((
+                    row.job,
+                    ServeError::Engine(format!("the pool refused to extend the sequence: {e}")),
+                ));
+            }
+        }
+    }
+
+    /// A job that got a slot: running from now on, restoring its prefix first if one was found.
+    fn admit(
+        &mut self,
+        mut job: Job,
+        hit: Option<LookupHit>,
+        slot: Slot,
+        draft: &mut Draft,
+        ops: &mut Vec<StoreOp>,
+    ) {
+        if let Some(hit) = hit {
+            // A snapshot covering every token still leaves the last one to run, for its logits.
+            job.computed = hit.tokens.min(job.tokens.len() - 1);
+            job.restoring = Some(hit.snapshot);
+            ops.push(StoreOp::BeginRestore {
+                snapshot: hit.snapshot,
+                pages: slot.pages.clone(),
+            });
+            draft
+                .store_purposes
+                .push(StorePurpose::Restore(self.running.len()));
+        }
+        job.slot = Some(slot);
+        job.blocked_until = None;
+        self.running.push(job);
+    }
+
+    /// Charges a snapshot of each prompt completed this step and of each job being preempted.
+    fn plan_saves(&mut self, draft: &mut Draft, ops: &mut Vec<StoreOp>) {
+        let pt = self.config.page_tokens;
+        let mut wanted: Vec<(usize, usize, SaveKind)> = Vec::new();
+        if self.config.save_prompts {
+            for row in draft.rows.iter().filter(|r| r.live) {
+                let job = &self.running[row.job];
+                let completes_prompt = row.start < job.prompt_len && row.end >= job.prompt_len;
+                if completes_prompt
+                    && !job.prompt_saved
+                    && job.prompt_len >= self.config.min_save_tokens.max(pt)
+                {
+                    wanted.push((row.job, job.prompt_len / pt, SaveKind::Prompt));
+                }
+            }
+        }
+        for &index in &draft.preempting {
+            let pages = self.running[index].computed / pt;
+            if pages > 0 {
+                wanted.push((index, pages, SaveKind::Preemption));
+            }
+        }
+        for (index, pages, kind) in wanted {
+            let chain = self.running[index].chain(&self.hasher, pages).to_vec();
+            ops.push(StoreOp::BeginSave {
+                chain,
+                tier: self.config.save_tier,
+            });
+            draft.store_purposes.push(StorePurpose::Save(index, kind));
+        }
+    }
+
+    /// Phase 4: applies the store's answers and returns the engine step, if there is work.
+    pub fn plan_engine(&mut self, replies: Vec<StoreReply>) -> Option<EngineStep> {
+        let mut draft = self.draft.take().expect("plan_store ran");
+        let mut step = EngineStep {
+            evictions: Vec::new(),
+            restores: Vec::new(),
+            plan: StepPlan::default(),
+            samplers: Vec::new(),
+            saves: Vec::new(),
+        };
+        let purposes = std::mem::take(&mut draft.store_purposes);
+        for (purpose, reply) in purposes.into_iter().zip(replies) {
+            self.apply_store_reply(&mut draft, &mut step, purpose, reply);
+        }
+        for (r, row) in draft.rows.iter().enumerate().filter(|(_, row)| row.live) {
+            let job = &mut self.running[row.job];
+            let sample = row.end == job.tokens.len();
+            let slot = job.slot.as_mut().expect("running jobs hold a slot");
+            let mut plan_row = self.spare_rows.pop().unwrap_or_else(|| RowPlan {
+                tokens: Vec::new(),
+                start_pos: 0,
+                pages: Vec::new(),
+                logits: LogitsWanted::None,
+            });
+            plan_row.tokens.clear();
+            plan_row
+                .tokens
+                .extend_from_slice(&job.tokens[row.start..row.end]);
+            // Lent for the step and handed back with the reply: no copy of the page table.
+            plan_row.pages = std::mem::take(&mut slot.pages);
+            plan_row.start_pos = row.start;
+            plan_row.logits = if sample {
+                LogitsWanted::Last
+            } else {
+                LogitsWanted::None
+            };
+            step.plan.rows.push(plan_row);
+            step.samplers.push(if sample {
+                Some(
+                    job.sampler
+                        .take()
+                        .expect("the sampler is home between steps"),
+                )
+            } else {
+                None
+            });
+            draft.sent_rows.push(r);
+        }
+        let idle = step.plan.rows.is_empty()
+            && step.restores.is_empty()
+            && step.saves.is_empty()
+            && step.evictions.is_empty();
+        self.draft = Some(draft);
+        (!idle).then_some(step)
+    }
+
+    fn apply_store_reply(
+        &mut self,
+        draft: &mut Draft,
+        step: &mut EngineStep,
+        purpose: StorePurpose,
+        reply: StoreReply,
+    ) {
+        match (purpose, reply) {
+            (StorePurpose::Restore(index), StoreReply::Restore(Ok(plan))) => {
+                step.restores.push(RestoreCopy {
+                    backing: plan.backing,
+                    copies: plan.copies,
+                });
+                draft.restores.push((index, plan.snapshot));
+                self.stats.restored_tokens += self.running[index].computed as u64;
+                self.running[index].usage.cached_tokens += self.running[index].computed;
+            }
+            (StorePurpose::Restore(index), StoreReply::Restore(Err(e))) => {
+                tracing::warn!("restore refused, prefilling cold: {e}");
+                let job = &mut self.running[index];
+                job.restoring = None;
+                job.computed = 0;
+            }
+            (
+                StorePurpose::Save(index, kind),
+                StoreReply::Save(Ok(SaveStart::Reserved {
+                    reservation,
+                    evictions,
+                })),
+            ) => {
+                let pages = &self.running[index]
+                    .slot
+                    .as_ref()
+                    .expect("saving jobs hold a slot")
+                    .pages;
+                let copies = reservation
+                    .copies(pages)
+                    .expect("a save covers at most the pages the job holds");
+                step.saves.push(SaveCopy {
+                    backing: reservation.backing(),
+                    tier: reservation.tier(),
+                    bytes: reservation.bytes(),
+                    copies,
+                });
+                step.evictions.extend(evictions);
+                draft.saves.push((index, kind, reservation));
+            }
+            (
+                StorePurpose::Save(index, SaveKind::Prompt),
+                StoreReply::Save(Ok(SaveStart::AlreadyStored(_))),
+            ) => {
+                self.running[index].prompt_saved = true;
+            }
+            (
+                StorePurpose::Save(..),
+                StoreReply::Save(Ok(SaveStart::AlreadyStored(_)) | Err(_)),
+            ) => {}
+            (purpose, reply) => unreachable!("store answered {reply:?} to {purpose:?}"),
+        }
+    }
+
+    /// Phase 5: applies the engine's answer (`None` when no engine step ran) and says what next.
+    pub fn finish_step(&mut self, reply: Option<EngineStepReply>, now: Instant) -> StepOutcome {
+        let mut draft = self.draft.take().expect("plan_engine ran");
+        self.stats.steps += 1;
+        let mut ended: Vec<(usize, End)> = Vec::new();
+        if let Some(reply) = reply {
+            self.apply_engine_reply(&mut draft, reply, &mut ended);
+        }
+        ended.extend(
+            draft
+                .failing
+                .iter()
+                .map(|(index, error)| (*index, End::Failed(error.clone()))),
+        );
+        self.remove_ended(ended, &draft.preempting, now);
+        let (ready, wake_at) = self.readiness(now);
+        StepOutcome { ready, wake_at }
+    }
+
+    fn apply_engine_reply(
+        &mut self,
+        draft: &mut Draft,
+        mut reply: EngineStepReply,
+        ended: &mut Vec<(usize, End)>,
+    ) {
+        for (&r, mut row) in draft.sent_rows.iter().zip(reply.plan.rows.drain(..)) {
+            let slot = self.running[draft.rows[r].job]
+                .slot
+                .as_mut()
+                .expect("running jobs hold a slot");
+            slot.pages = std::mem::take(&mut row.pages);
+            self.spare_rows.push(row);
+        }
+        for (&(index, snapshot), result) in draft.restores.iter().zip(reply.restores) {
+            self.follow_ups.push(StoreFollowUp::FinishRestore(snapshot));
+            self.running[index].restoring = None;
+            if let Err(e) = result {
+                ended.push((
+                    index,
+                    End::Failed(ServeError::Engine(format!("restoring a snapshot: {e}"))),
+                ));
+            }
+        }
+        for (snapshot, moved) in reply.demotions {
+            self.follow_ups.push(if moved {
+                StoreFollowUp::CommitDemotion(snapshot)
+            } else {
+                StoreFollowUp::AbortDemotion(snapshot)
+            });
+        }
+        self.apply_forward(draft, reply.forward, reply.samplers, ended);
+        for ((index, kind, reservation), result) in std::mem::take(&mut draft.saves)
+            .into_iter()
+            .zip(reply.saves)
+        {
+            match result {
+                Ok(()) => {
+                    if kind == SaveKind::Prompt {
+                        self.running[index].prompt_saved = true;
+                    }
+                    self.follow_ups.push(StoreFollowUp::Commit(reservation));
+                }
+                Err(e) => {
+                    tracing::warn!("snapshot save failed: {e}");
+                    self.follow_ups.push(StoreFollowUp::Abort(reservation));
+                }
+            }
+        }
+    }
+
+    fn apply_forward(
+        &mut self,
+        draft: &Draft,
+        forward: Result<Vec<Option<u32>>, String>,
+        samplers: Vec<Option<Box<Sampler>>>,
+        ended: &mut Vec<(usize, End)>,
+    ) {
+        for (&r, sampler) in draft.sent_rows.iter().zip(samplers) {
+            if let Some(sampler) = sampler {
+                self.running[draft.rows[r].job].sampler = Some(sampler);
+            }
+        }
+        let tokens = match forward {
+            Ok(tokens) => tokens,
+            Err(e) => {
+                for &r in &draft.sent_rows {
+                    ended.push((
+                        draft.rows[r].job,
+                        End::Failed(ServeError::Engine(e.clone())),
+                    ));
+                }
+                return;
+            }
+        };
+        for (&r, token) in draft.sent_rows.iter().zip(tokens) {
+            let row = draft.rows[r];
+            let job = &mut self.running[row.job];
+            job.computed = row.end;
+            if let Some(token) = token {
+                job.sampler.as_mut().expect("returned above").accept(token);
+                job.tokens.push(token);
+                job.emit_token(token);
+                if let Some(reason) = self.stop_reason(row.job, token) {
+                    ended.push((row.job, End::Finished(reason)));
+                }
+            }
+        }
+    }
+
+    fn stop_reason(&self, index: usize, token: u32) -> Option<FinishReason> {
+        let job = &self.running[index];
+        let params = job.sampler.as_ref().expect("home after the step").params();
+        let eos = !params.ignore_eos && self.config.eos_token_ids.contains(&token);
+        if eos || params.stop_token_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if job.generated() >= job.max_new || job.tokens.len() >= self.config.context_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+
+    /// Removes ended and preempted jobs from `running`, highest index first so the others
+    /// keep their places; preempted ones go back to the front of the queue.
+    fn remove_ended(&mut self, mut ended: Vec<(usize, End)>, preempting: &[usize], now: Instant) {
+        ended.sort_by_key(|(index, _)| std::cmp::Reverse(*index));
+        ended.dedup_by_key(|(index, _)| *index);
+        let mut requeue = Vec::new();
+        let mut order: Vec<usize> = ended
+            .iter()
+            .map(|(i, _)| *i)
+            .chain(preempting.iter().copied())
+            .collect();
+        order.sort_unstable_by(|a, b| b.cmp(a));
+        order.dedup();
+        let mut ends = ended.into_iter().peekable();
+        for index in order {
+            let mut job = self.running.remove(index);
+            if let Some(slot) = job.slot.take() {
+                self.releases.push(slot.handle);
+            }
+            match ends.next_if(|(i, _)| *i == index) {
+                Some((_, end)) => self.end(job, end, now),
+                None => {
+                    self.stats.preemptions += 1;
+                    job.usage.preemptions += 1;
+                    job.computed = 0;
+                    job.backoff = policy::Backoff::new();
+                    job.blocked_until = None;
+                    requeue.push(job);
+                }
+            }
+        }
+        for job in requeue {
+            self.queue.push_front(job);
+        }
+    }
+
+    fn end(&mut self, job: Job, end: End, now: Instant) {
+        let latency = now.saturating_duration_since(job.submitted_at);
+        self.latency_ewma = (self.latency_ewma * 7 + latency) / 8;
+        match end {
+            End::Finished(reason) => {
+                self.stats.finished += 1;
+                job.finish(reason);
+            }
+            End::Failed(error) => self.end_failed(job, error),
+        }
+    }
+
+    fn end_failed(&mut self, job: Job, error: ServeError) {
+        self.stats.failed += 1;
+        job.fail(error);
+    }
+}
+
+/// How a running job ends this step.
+#[derive(Debug, Clone)]
+enum End {
+    Finished(FinishReason),
+    Failed(ServeError),
+}

@@ -1,0 +1,120 @@
+//! The `SnapshotStore` actor: owns the snapshot index ([`cache::SnapshotStore`]): budgets,
+//! charges, recency, pins, prefix lookup and tiers.
+//!
+//! It decides what is kept and where; the engine holds the bytes of each backing. The scheduler
+//! sends one [`StoreStep`] per phase of a step, so the store costs a round trip, not one per
+//! request.
+
+use actix::{Actor, Context, Handler, Message, MessageResult};
+use cache::{
+    CacheError, LookupHit, PageId, PrefixHash, RestorePlan, SaveReservation, SaveStart, SnapshotId,
+    SnapshotStore as Store, StoreStats, Tier,
+};
+
+pub struct SnapshotStore {
+    store: Store,
+}
+
+impl SnapshotStore {
+    pub fn new(store: Store) -> Self {
+        SnapshotStore { store }
+    }
+}
+
+impl Actor for SnapshotStore {
+    type Context = Context<Self>;
+}
+
+/// One request to the store.
+#[derive(Debug, PartialEq)]
+pub enum StoreOp {
+    /// The longest stored prefix of a chain.
+    Lookup(Vec<PrefixHash>),
+    /// Pins a snapshot and plans its copy into the head of `pages`.
+    BeginRestore {
+        snapshot: SnapshotId,
+        pages: Vec<PageId>,
+    },
+    FinishRestore(SnapshotId),
+    /// Charges a snapshot of `chain` in `tier`, evicting as needed.
+    BeginSave {
+        chain: Vec<PrefixHash>,
+        tier: Tier,
+    },
+    CommitSave(SaveReservation),
+    AbortSave(SaveReservation),
+    CommitDemotion(SnapshotId),
+    AbortDemotion(SnapshotId),
+}
+
+/// The answer to one [`StoreOp`], in the same position.
+#[derive(Debug, PartialEq)]
+pub enum StoreReply {
+    Lookup(Option<LookupHit>),
+    Restore(Result<RestorePlan, CacheError>),
+    Save(Result<SaveStart, CacheError>),
+    Done(Result<(), CacheError>),
+}
+
+#[derive(Debug, Message)]
+#[rtype(result = "StoreStepReply")]
+pub struct StoreStep(pub Vec<StoreOp>);
+
+#[derive(Debug)]
+pub struct StoreStepReply {
+    pub replies: Vec<StoreReply>,
+    pub stats: StoreStats,
+}
+
+impl SnapshotStore {
+    /// Applies one request (the handler applies a step's in order).
+    pub fn apply(&mut self, op: StoreOp) -> StoreReply {
+        match op {
+            StoreOp::Lookup(chain) => StoreReply::Lookup(self.store.lookup_longest(&chain)),
+            StoreOp::BeginRestore { snapshot, pages } => {
+                StoreReply::Restore(self.store.begin_restore(snapshot, &pages))
+            }
+            StoreOp::FinishRestore(snapshot) => {
+                StoreReply::Done(self.store.finish_restore(snapshot))
+            }
+            StoreOp::BeginSave { chain, tier } => {
+                StoreReply::Save(self.store.begin_save(&chain, tier))
+            }
+            StoreOp::CommitSave(reservation) => {
+                StoreReply::Done(self.store.commit_save(reservation).map(drop))
+            }
+            StoreOp::AbortSave(reservation) => StoreReply::Done(self.store.abort_save(reservation)),
+            StoreOp::CommitDemotion(snapshot) => {
+                StoreReply::Done(self.store.commit_demotion(snapshot))
+            }
+            StoreOp::AbortDemotion(snapshot) => {
+                StoreReply::Done(self.store.abort_demotion(snapshot))
+            }
+        }
+    }
+}
+
+impl Handler<StoreStep> for SnapshotStore {
+    type Result = MessageResult<StoreStep>;
+
+    fn handle(&mut self, step: StoreStep, _: &mut Context<Self>) -> Self::Result {
+        let replies = step.0.into_iter().map(|op| self.apply(op)).collect();
+        MessageResult(StoreStepReply {
+            replies,
+            stats: self.store.stats(),
+        })
+    }
+}
+
+/// The store's counters.
+#[derive(Debug, Message)]
+#[rtype(result = "StoreStats")]
+pub struct GetStoreStats;
+
+impl Handler<GetStoreStats> for SnapshotStore {
+    type Result = MessageResult<GetStoreStats>;
+
+    fn handle(&mut self, _: GetStoreStats, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.store.stats())
+    }
+}

@@ -1,0 +1,140 @@
+//! Starting the actors around a backend, and the handles callers use.
+
+use actix::{Actor, Addr, SyncArbiter};
+use cache::{
+    PagePool, PoolConfig, PoolStats, PrefixSalt, SnapshotGeometry, SnapshotStore as Store,
+    StoreStats, Tier,
+};
+use engine::backend::{Backend, MemoryReport};
+use policy::Policies;
+
+use crate::admission::{Admission, Cancel, GetSchedulerStats, Submit};
+use crate::engine::{Engine, GetMemory};
+use crate::error::ServeError;
+use crate::kv_pool::{GetPoolStats, KvPool};
+use crate::request::{GenerateRequest, RequestId, RequestStream};
+use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerStats};
+use crate::snapshot_store::{GetStoreStats, SnapshotStore};
+
+/// What the actors are built from besides the backend.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub policies: Policies,
+    /// Names the model in prefix hashes, so one model's snapshots never match another's.
+    pub model_id: String,
+    pub eos_token_ids: Vec<u32>,
+    /// Seeds back-off jitter.
+    pub seed: u64,
+}
+
+/// The running actors.
+#[derive(Clone)]
+pub struct Handles {
+    pub admission: Addr<Admission>,
+    pub pool: Addr<KvPool>,
+    pub store: Addr<SnapshotStore>,
+    pub engine: Addr<Engine>,
+}
+
+/// Every actor's counters at one moment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stats {
+    pub scheduler: SchedulerStats,
+    pub pool: PoolStats,
+    pub store: StoreStats,
+    pub memory: MemoryReport,
+}
+
+/// Starts the four actors on the current actix system; the backend moves to its own thread.
+///
+/// Fails when the configuration does not fit the backend (its pages are another size).
+pub fn start(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Handles, ServeError> {
+    let info = backend.info().clone();
+    let policies = &config.policies;
+    let page_tokens = info.geometry.page_tokens;
+    if policies.cache.page_tokens() != page_tokens {
+        let configured = policies.cache.page_tokens();
+        return Err(ServeError::Invalid(format!(
+            "cache.page_tokens is {configured} but the backend was built with {page_tokens}-token pages"
+        )));
+    }
+    let max_running = policies.admission.max_running();
+    let pool = PagePool::new(PoolConfig {
+        total_pages: info.num_pages as u32,
+        page_tokens,
+        max_slots: max_running as u32,
+        reservation: policies.cache.reservation(),
+    });
+    let store = Store::new(
+        SnapshotGeometry {
+            kv: info.geometry,
+            fixed_state_bytes: 0,
+        },
+        &policies.snapshots,
+    );
+    let scheduler = Scheduler::new(SchedulerConfig {
+        max_queue: policies.admission.max_queue(),
+        max_running,
+        step_token_budget: policies.admission.step_token_budget(),
+        page_tokens,
+        total_pages: info.num_pages,
+        context_tokens: info.max_positions,
+        vocab_size: info.vocab_size,
+        eos_token_ids: config.eos_token_ids.clone(),
+        reservation: policies.cache.reservation(),
+        backoff: policies.backoff.clone(),
+        save_prompts: policies.snapshots.save_prompts(),
+        min_save_tokens: policies.snapshots.min_save_tokens(),
+        save_tier: Tier::Device,
+        salt: PrefixSalt::new(&config.model_id, None),
+        seed: config.seed,
+    });
+    // The arbiter asks for a factory it may call again; the backend exists once.
+    let backend = std::sync::Mutex::new(Some(backend));
+    let engine = SyncArbiter::start(1, move || {
+        let backend = backend.lock().expect("no panic holds this lock").take();
+        Engine::new(backend.expect("the engine actor is created once"))
+    });
+    let pool = KvPool::new(pool).start();
+    let store = SnapshotStore::new(store).start();
+    let mailbox = policies.admission.max_queue() + 64;
+    let admission = Admission::new(
+        scheduler,
+        pool.clone(),
+        store.clone(),
+        engine.clone(),
+        mailbox,
+    )
+    .start();
+    Ok(Handles {
+        admission,
+        pool,
+        store,
+        engine,
+    })
+}
+
+impl Handles {
+    /// Queues a request; `Overloaded` when the queue is full, `Invalid` when it can never run.
+    pub async fn submit(&self, request: GenerateRequest) -> Result<RequestStream, ServeError> {
+        self.admission
+            .send(Submit(request))
+            .await
+            .map_err(|_| ServeError::ShuttingDown)?
+    }
+
+    /// Cancels a request; it ends with `Cancelled` within one step.
+    pub fn cancel(&self, id: RequestId) {
+        self.admission.do_send(Cancel(id));
+    }
+
+    pub async fn stats(&self) -> Stats {
+        let stopped = "the actors run as long as their handles";
+        Stats {
+            scheduler: self.admission.send(GetSchedulerStats).await.expect(stopped),
+            pool: self.pool.send(GetPoolStats).await.expect(stopped),
+            store: self.store.send(GetStoreStats).await.expect(stopped),
+            memory: self.engine.send(GetMemory).await.expect(stopped),
+        }
+    }
+}

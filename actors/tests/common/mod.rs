@@ -1,0 +1,207 @@
+//! Shared by the actor tests: real models (a small random-weight one written by the test, and
+//! the real SmolLM2), CPU backends, configurations and the solo-run oracle.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use actors::{Completion, Event, FinishReason, GenerateRequest, Handles, ServeConfig};
+use cache::{BackingId, PageCopy, Tier};
+use engine::backend::{Backend, BackendInfo, MemoryReport, StepOutput, StepPlan};
+use engine::cpu::{CpuBackend, CpuOptions};
+use engine::generate::{Vocabulary, generate};
+use engine::model::ModelFiles;
+use engine::model::synthetic::{self, SyntheticSpec};
+use engine::sampling::SamplingParams;
+use engine::{DType, EngineError};
+use policy::Policies;
+
+pub const PAGE: usize = 16;
+
+/// A two-layer random-weight model, written into a temporary folder.
+pub struct TinyModel {
+    _dir: tempfile::TempDir,
+    pub files: ModelFiles,
+}
+
+impl TinyModel {
+    pub fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = SyntheticSpec {
+            max_position_embeddings: 512,
+            ..SyntheticSpec::tiny(42)
+        };
+        synthetic::write(dir.path(), &spec).unwrap();
+        let files = ModelFiles::open(dir.path()).unwrap();
+        TinyModel { _dir: dir, files }
+    }
+}
+
+/// The real SmolLM2 f32 folder, fetched into the shared model cache on first use.
+pub fn smollm2() -> PathBuf {
+    let cache = std::env::var_os("SNAPSERVE_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| engine::fetch::default_cache_dir(std::env::home_dir().as_deref()));
+    engine::fetch::fetch(
+        &engine::fetch::SMOLLM2,
+        &engine::fetch::FetchOptions::new(cache, DType::F32),
+    )
+    .expect("fetching SmolLM2")
+}
+
+pub fn cpu_backend(files: &ModelFiles, pages: usize) -> CpuBackend {
+    CpuBackend::load(
+        files,
+        &CpuOptions {
+            threads: 2,
+            page_tokens: PAGE,
+            num_pages: pages,
+        },
+    )
+    .unwrap()
+}
+
+/// Policies from TOML, with the page size the tests' backends use.
+pub fn policies(toml: &str) -> Policies {
+    Policies::from_toml(&format!("[cache]\npage_tokens = {PAGE}\n{toml}")).unwrap()
+}
+
+pub fn serve_config(files: &ModelFiles, policies: Policies) -> ServeConfig {
+    ServeConfig {
+        policies,
+        model_id: files.dir.display().to_string(),
+        eos_token_ids: files.eos_token_ids.clone(),
+        seed: 7,
+    }
+}
+
+pub fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        max_tokens,
+        ..SamplingParams::default()
+    }
+}
+
+/// A prompt of `len` token ids drawn from `seed` (ids 3.. avoid the specials).
+pub fn prompt(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            3 + ((s >> 33) % (vocab as u64 - 3)) as u32
+        })
+        .collect()
+}
+
+/// What `request` produces run alone, start to finish, on a fresh backend of its own.
+pub fn solo(files: &ModelFiles, request: &GenerateRequest) -> Vec<u32> {
+    let mut backend = cpu_backend(
+        files,
+        (request.prompt.len() + request.params.max_tokens).div_ceil(PAGE) + 1,
+    );
+    let vocab = Vocabulary {
+        tokenizer: &files.tokenizer,
+        eos_token_ids: &files.eos_token_ids,
+    };
+    generate(
+        &mut backend,
+        &vocab,
+        &request.prompt,
+        &request.params,
+        64,
+        |_| {},
+    )
+    .unwrap()
+    .tokens
+}
+
+pub fn finished(completion: &Completion) -> bool {
+    matches!(
+        completion.end,
+        Event::Finished {
+            reason: FinishReason::Stop | FinishReason::Length,
+            ..
+        }
+    )
+}
+
+/// Waits until the scheduler has no work and every page is free again.
+pub async fn wait_idle(handles: &Handles) -> actors::Stats {
+    for _ in 0..500 {
+        let stats = handles.stats().await;
+        if stats.scheduler.running == 0
+            && stats.scheduler.queued == 0
+            && stats.pool.free_pages == stats.pool.total_pages
+        {
+            return stats;
+        }
+        actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("not idle: {:?}", handles.stats().await);
+}
+
+/// A CPU backend whose forward pass fails at one chosen step: the engine error of a real
+/// device (an out-of-memory, a driver fault), injected where a test wants it.
+pub struct FailingBackend {
+    pub inner: CpuBackend,
+    pub fail_at_step: usize,
+    pub steps: usize,
+}
+
+impl Backend for FailingBackend {
+    fn info(&self) -> &BackendInfo {
+        self.inner.info()
+    }
+
+    fn step(&mut self, plan: &StepPlan) -> Result<StepOutput, EngineError> {
+        self.steps += 1;
+        if self.steps == self.fail_at_step {
+            return Err(EngineError::InvalidStep(format!(
+                "injected failure at step {}",
+                self.steps
+            )));
+        }
+        self.inner.step(plan)
+    }
+
+    fn alloc_backing(
+        &mut self,
+        backing: BackingId,
+        tier: Tier,
+        bytes: u64,
+    ) -> Result<(), EngineError> {
+        self.inner.alloc_backing(backing, tier, bytes)
+    }
+
+    fn free_backing(&mut self, backing: BackingId) -> Result<(), EngineError> {
+        self.inner.free_backing(backing)
+    }
+
+    fn save_pages(&mut self, backing: BackingId, copies: &[PageCopy]) -> Result<(), EngineError> {
+        self.inner.save_pages(backing, copies)
+    }
+
+    fn restore_pages(
+        &mut self,
+        backing: BackingId,
+        copies: &[PageCopy],
+    ) -> Result<(), EngineError> {
+        self.inner.restore_pages(backing, copies)
+    }
+
+    fn copy_backing(&mut self, from: BackingId, to: BackingId) -> Result<(), EngineError> {
+        self.inner.copy_backing(from, to)
+    }
+
+    fn memory(&self) -> MemoryReport {
+        self.inner.memory()
+    }
+}
+
+pub fn model_dir_of(files: &ModelFiles) -> &Path {
+    &files.dir
+}
