@@ -134,45 +134,15 @@ fn logits_match_transformers_through_chunked_prefill_of_mixed_sizes() {
     let fixture = Fixture::load();
     let prompts = fixture.prompts();
     let (mut backend, vocab) = backend(prompts.len() * 64);
-    let tables = scattered_pages(prompts.len(), 64);
     // Each prompt advances by its own chunk size; every step mixes rows at different positions.
     let chunk_sizes: Vec<usize> = (0..prompts.len())
         .map(|i| [1, 3, 7, 16, 61, 256][i % 6])
         .collect();
-    let mut done = vec![0usize; prompts.len()];
-    let mut checked = vec![0usize; prompts.len()];
-    while done.iter().zip(&prompts).any(|(&d, p)| d < p.ids.len()) {
-        let active: Vec<usize> = (0..prompts.len())
-            .filter(|&i| done[i] < prompts[i].ids.len())
-            .collect();
-        let rows = active
-            .iter()
-            .map(|&i| {
-                let end = (done[i] + chunk_sizes[i]).min(prompts[i].ids.len());
-                RowPlan {
-                    tokens: prompts[i].ids[done[i]..end].to_vec(),
-                    start_pos: done[i],
-                    pages: tables[i].clone(),
-                    logits: LogitsWanted::All,
-                }
-            })
-            .collect::<Vec<_>>();
-        let lens: Vec<usize> = rows.iter().map(|r: &RowPlan| r.tokens.len()).collect();
-        let out = backend.step(&StepPlan { rows }).unwrap();
-        for (row, &i) in active.iter().enumerate() {
-            checked[i] += check_logits(
-                &prompts[i],
-                done[i],
-                lens[row],
-                |k| out.logits(row, k).to_vec(),
-                vocab,
-                "chunked",
-            );
-            done[i] += lens[row];
-        }
-    }
-    for (prompt, n) in prompts.iter().zip(checked) {
-        assert_eq!(n, prompt.positions.len(), "prompt `{}`", prompt.name);
+    let logits = logits_by_schedule(&mut backend, &prompts, &chunk_sizes, true);
+    for (prompt, logits) in prompts.iter().zip(&logits) {
+        let at = |k: usize| logits[k * vocab..(k + 1) * vocab].to_vec();
+        let checked = check_logits(prompt, 0, prompt.ids.len(), at, vocab, "chunked");
+        assert_eq!(checked, prompt.positions.len(), "prompt `{}`", prompt.name);
     }
 }
 

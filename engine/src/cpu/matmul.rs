@@ -411,18 +411,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2_654_435_761).max(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s % 20_001) as f32 / 10_000.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::cpu::test_data::pseudo_random;
 
     fn product(isa: Isa, x: &[f32], rows: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
         let mut out = vec![f32::NAN; rows * n];

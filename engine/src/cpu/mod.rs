@@ -8,6 +8,8 @@
 mod attention;
 pub mod kernels;
 pub mod matmul;
+#[cfg(test)]
+mod test_data;
 mod weights;
 
 use std::collections::HashMap;
