@@ -105,6 +105,29 @@ pub enum EngineError {
 
     #[error("invalid sampling parameter `{name}`: {reason}")]
     InvalidSampling { name: &'static str, reason: String },
+
+    #[error("no usable CUDA device: {0}")]
+    CudaUnavailable(String),
+
+    #[error("CUDA driver: {0}")]
+    Cuda(#[from] cudarc::driver::DriverError),
+
+    #[error("cuBLAS: {0}")]
+    Cublas(#[from] cudarc::cublas::result::CublasError),
+
+    #[error("compiling the CUDA kernels with NVRTC failed:\n{0}")]
+    KernelCompile(String),
+
+    #[error(
+        "the model does not fit on the GPU: {needed_bytes} bytes are needed for {what}, but only \
+         {available_bytes} are available ({plan})"
+    )]
+    DoesNotFit {
+        what: String,
+        needed_bytes: u64,
+        available_bytes: u64,
+        plan: String,
+    },
 }
 
 impl EngineError {

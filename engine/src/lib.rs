@@ -10,6 +10,7 @@ pub mod bench;
 pub mod chat;
 pub mod convert;
 pub mod cpu;
+pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod fetch;
@@ -17,6 +18,7 @@ pub mod generate;
 pub mod gguf;
 pub mod model;
 pub mod sampling;
+pub mod select;
 pub mod stop;
 pub mod tokenizer;
 

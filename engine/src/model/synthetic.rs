@@ -32,6 +32,8 @@ pub struct SyntheticSpec {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub max_position_embeddings: usize,
+    /// At least [`SYNTHETIC_VOCAB`]; ids past the tokenizer's are never produced by it.
+    pub vocab_size: usize,
     pub tie_word_embeddings: bool,
     pub sliding_window: Option<usize>,
     pub dtype: DType,
@@ -49,10 +51,27 @@ impl SyntheticSpec {
             num_heads: 4,
             num_kv_heads: 2,
             max_position_embeddings: 2048,
+            vocab_size: SYNTHETIC_VOCAB,
             tie_word_embeddings: true,
             sliding_window: None,
             dtype: DType::F32,
             seed,
+        }
+    }
+
+    /// SmolLM2-135M's shape (30 layers, hidden 576, 9 heads over 3 KV heads, vocabulary 49152),
+    /// in bf16.
+    pub fn smollm2(seed: u64) -> Self {
+        Self {
+            hidden_size: 576,
+            intermediate_size: 1536,
+            num_layers: 30,
+            num_heads: 9,
+            num_kv_heads: 3,
+            max_position_embeddings: 8192,
+            vocab_size: 49_152,
+            dtype: DType::BF16,
+            ..Self::tiny(seed)
         }
     }
 
@@ -92,7 +111,7 @@ fn config_json(spec: &SyntheticSpec) -> String {
         "num_hidden_layers": spec.num_layers,
         "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.num_kv_heads,
-        "vocab_size": SYNTHETIC_VOCAB,
+        "vocab_size": spec.vocab_size,
         "max_position_embeddings": spec.max_position_embeddings,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
@@ -155,12 +174,12 @@ fn tensor_shapes(spec: &SyntheticSpec) -> Vec<(String, Vec<usize>)> {
     let mut shapes = vec![
         (
             "model.embed_tokens.weight".to_string(),
-            vec![SYNTHETIC_VOCAB, h],
+            vec![spec.vocab_size, h],
         ),
         ("model.norm.weight".into(), vec![h]),
     ];
     if !spec.tie_word_embeddings {
-        shapes.push(("lm_head.weight".into(), vec![SYNTHETIC_VOCAB, h]));
+        shapes.push(("lm_head.weight".into(), vec![spec.vocab_size, h]));
     }
     for i in 0..spec.num_layers {
         let p = |leaf: &str| format!("model.layers.{i}.{leaf}");

@@ -1,0 +1,386 @@
+//! The CUDA device a backend runs on, and the raw memory everything else is built from.
+//!
+//! Owns the context (the device's primary context), the one stream all of a backend's work is
+//! ordered on, and the launch of a compiled kernel. cudarc's per-buffer event tracking is turned
+//! off: a single stream already orders everything, and CUDA graph capture fails with it on.
+//! Memory is taken as plain device allocations (`cuMemAlloc`) and page-locked, device-mapped
+//! host allocations, never managed memory. [`DPtr`] is a typed device address with no lifetime:
+//! a backend owns both its buffers and every launch that reads them, and synchronizes before a
+//! buffer is dropped.
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUdeviceptr};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, result};
+
+use crate::error::{EngineError, Result};
+
+/// The most arguments one kernel takes.
+const MAX_ARGS: usize = 20;
+
+/// The device and stream of one backend.
+pub struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub multiprocessors: u32,
+    pub total_bytes: u64,
+}
+
+impl Device {
+    /// Opens device `ordinal`, or says why there is none: no driver library, no GPU, or one
+    /// older than Ampere (bf16 tensor cores are needed).
+    pub fn open(ordinal: usize) -> Result<Arc<Device>> {
+        check_libraries()?;
+        let unavailable = |e: DriverError| EngineError::CudaUnavailable(format!("{e}"));
+        let count = CudaContext::device_count().map_err(unavailable)?;
+        if ordinal >= count.max(0) as usize {
+            return Err(EngineError::CudaUnavailable(format!(
+                "device {ordinal} asked for, {count} present"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(unavailable)?;
+        // SAFETY: no cudarc slice of this context exists yet; the backend orders its work on
+        // one stream itself.
+        unsafe { ctx.disable_event_tracking() };
+        let compute_capability = ctx.compute_capability()?;
+        if compute_capability.0 < 8 {
+            return Err(EngineError::CudaUnavailable(format!(
+                "{} has compute capability {}.{}; snapserve needs 8.0 or newer (bf16 tensor cores)",
+                ctx.name()?,
+                compute_capability.0,
+                compute_capability.1
+            )));
+        }
+        let multiprocessors = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            as u32;
+        Ok(Arc::new(Device {
+            name: ctx.name()?,
+            total_bytes: ctx.total_mem()? as u64,
+            stream: ctx.new_stream()?,
+            ctx,
+            compute_capability,
+            multiprocessors,
+        }))
+    }
+
+    /// NVRTC's name for the architecture, e.g. `sm_90`.
+    pub fn arch(&self) -> String {
+        format!(
+            "sm_{}{}",
+            self.compute_capability.0, self.compute_capability.1
+        )
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Makes this device's context current on the calling thread (the backend may move between
+    /// threads between calls).
+    pub fn bind(&self) -> Result<()> {
+        Ok(self.ctx.bind_to_thread()?)
+    }
+
+    /// Bytes of device memory free right now.
+    pub fn free_bytes(&self) -> Result<u64> {
+        Ok(self.ctx.mem_get_info()?.0 as u64)
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// Waits for queued work, for use in `drop`: a failure there has no caller to go to, so the
+    /// context keeps it.
+    pub fn wait_idle(&self) {
+        self.ctx.record_err(self.ctx.bind_to_thread());
+        self.ctx.record_err(self.stream.synchronize());
+    }
+
+    /// Launches `func` on the stream with `block` threads per block.
+    pub fn launch(
+        &self,
+        func: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &Args,
+    ) -> Result<()> {
+        let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+        for (param, word) in params.iter_mut().zip(&args.words[..args.len]) {
+            *param = word as *const u64 as *mut c_void;
+        }
+        // SAFETY: each kernel's typed wrapper in `kernels` passes the arguments its source
+        // declares, in order; every word outlives the call, which copies them.
+        unsafe {
+            result::launch_kernel(
+                func.cu_function(),
+                grid,
+                (block, 1, 1),
+                0,
+                self.stream.cu_stream(),
+                &mut params[..args.len],
+            )
+        }?;
+        Ok(())
+    }
+
+    /// Queues a copy of `src` into device memory at `dst`. Pageable sources are staged by the
+    /// driver before this returns; pinned ones must stay untouched until the stream passes it.
+    pub fn upload<T: Copy>(&self, src: &[T], dst: DPtr<T>) -> Result<()> {
+        // SAFETY: `dst` addresses at least `src.len()` elements (callers size their buffers).
+        unsafe { result::memcpy_htod_async(dst.addr, src, self.stream.cu_stream()) }?;
+        Ok(())
+    }
+
+    /// Copies device memory at `src` into `dst` and waits for it.
+    pub fn download<T: Copy>(&self, src: DPtr<T>, dst: &mut [T]) -> Result<()> {
+        // SAFETY: `src` addresses at least `dst.len()` elements.
+        unsafe { result::memcpy_dtoh_async(dst, src.addr, self.stream.cu_stream()) }?;
+        self.synchronize()
+    }
+
+    /// Queues a copy of `bytes` bytes between two addresses of the unified address space
+    /// (device memory or mapped pinned host memory; the driver infers the direction).
+    pub fn copy_bytes(&self, src: DPtr<u8>, dst: DPtr<u8>, bytes: usize) -> Result<()> {
+        // SAFETY: both ranges are `bytes` long; the callers check their buffers' sizes.
+        unsafe { sys::cuMemcpyAsync(dst.addr, src.addr, bytes, self.stream.cu_stream()) }
+            .result()?;
+        Ok(())
+    }
+}
+
+/// Refuses early, with a readable reason, where the CUDA libraries are not installed: cudarc
+/// would panic on first use instead.
+fn check_libraries() -> Result<()> {
+    // SAFETY: each only tries to open a shared library.
+    let present = unsafe {
+        [
+            (
+                "the CUDA driver (libcuda)",
+                cudarc::driver::sys::is_culib_present(),
+            ),
+            ("NVRTC (libnvrtc)", cudarc::nvrtc::sys::is_culib_present()),
+            (
+                "cuBLAS (libcublas)",
+                cudarc::cublas::sys::is_culib_present(),
+            ),
+        ]
+    };
+    match present.iter().find(|(_, found)| !found) {
+        Some((name, _)) => Err(EngineError::CudaUnavailable(format!(
+            "{name} was not found on the library path"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Maps an allocation failure to [`EngineError::OutOfMemory`], naming what was asked for.
+fn alloc_error(what: &str, bytes: usize, e: DriverError) -> EngineError {
+    if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        EngineError::OutOfMemory(format!("{what} of {bytes} bytes"))
+    } else {
+        EngineError::Cuda(e)
+    }
+}
+
+/// A typed device address.
+#[derive(Debug)]
+pub struct DPtr<T> {
+    addr: u64,
+    elem: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for DPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for DPtr<T> {}
+
+impl<T> DPtr<T> {
+    /// The null pointer kernels read as "absent".
+    pub const NULL: DPtr<T> = DPtr {
+        addr: 0,
+        elem: PhantomData,
+    };
+
+    fn new(addr: u64) -> Self {
+        DPtr {
+            addr,
+            elem: PhantomData,
+        }
+    }
+
+    /// The address `elems` elements further on.
+    pub fn offset(self, elems: usize) -> Self {
+        DPtr::new(self.addr + (elems * std::mem::size_of::<T>()) as u64)
+    }
+
+    /// The address as a C pointer, for library calls.
+    pub fn raw(self) -> *mut c_void {
+        self.addr as *mut c_void
+    }
+
+    /// The same address seen as elements of another type.
+    pub fn cast<U>(self) -> DPtr<U> {
+        DPtr::new(self.addr)
+    }
+}
+
+/// Kernel arguments, each in an 8-byte word. A 4-byte argument sits in the low half of its word,
+/// which is where a little-endian machine's pointer to the word finds it.
+pub struct Args {
+    words: [u64; MAX_ARGS],
+    len: usize,
+}
+
+impl Args {
+    pub fn new() -> Self {
+        Args {
+            words: [0; MAX_ARGS],
+            len: 0,
+        }
+    }
+
+    fn word(mut self, word: u64) -> Self {
+        assert!(
+            self.len < MAX_ARGS,
+            "a kernel takes at most {MAX_ARGS} arguments"
+        );
+        self.words[self.len] = word;
+        self.len += 1;
+        self
+    }
+
+    pub fn ptr<T>(self, p: DPtr<T>) -> Self {
+        self.word(p.addr)
+    }
+
+    pub fn u32(self, v: u32) -> Self {
+        self.word(v as u64)
+    }
+
+    pub fn u64(self, v: u64) -> Self {
+        self.word(v)
+    }
+
+    pub fn f32(self, v: f32) -> Self {
+        self.word(v.to_bits() as u64)
+    }
+}
+
+impl Default for Args {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// One plain device allocation, freed on drop.
+pub struct DeviceBuffer {
+    addr: CUdeviceptr,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DeviceBuffer {
+    /// Allocates `bytes` (at least one) of device memory; `what` names it in errors.
+    pub fn alloc(device: &Device, bytes: usize, what: &str) -> Result<Self> {
+        device.bind()?;
+        // SAFETY: a plain allocation; the memory is uninitialised until written.
+        let addr = unsafe { result::malloc_sync(bytes.max(1)) }
+            .map_err(|e| alloc_error(what, bytes, e))?;
+        Ok(DeviceBuffer {
+            addr,
+            bytes,
+            ctx: device.ctx.clone(),
+        })
+    }
+
+    pub fn ptr<T>(&self) -> DPtr<T> {
+        DPtr::new(self.addr)
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        self.ctx.record_err(self.ctx.bind_to_thread());
+        // SAFETY: allocated by `malloc_sync`, freed once; `cuMemFree` waits for pending work.
+        self.ctx.record_err(unsafe { result::free_sync(self.addr) });
+    }
+}
+
+/// Page-locked host memory mapped into the device's address space: kernels read and write it
+/// directly, and copies to and from it run asynchronously.
+pub struct PinnedBuffer {
+    host: *mut c_void,
+    addr: CUdeviceptr,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the host pointer is owned by this buffer alone and only handed out as a device
+// address; the backend that owns the buffer is used from one thread at a time.
+unsafe impl Send for PinnedBuffer {}
+
+impl PinnedBuffer {
+    pub fn alloc(device: &Device, bytes: usize, what: &str) -> Result<Self> {
+        device.bind()?;
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: a plain page-locked allocation, freed in `drop`.
+        let host = unsafe { result::malloc_host(bytes.max(1), flags) }
+            .map_err(|e| alloc_error(what, bytes, e))?;
+        let mut addr: CUdeviceptr = 0;
+        // SAFETY: `host` was allocated with DEVICEMAP just above.
+        let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut addr, host, 0) }.result();
+        if let Err(e) = mapped {
+            // SAFETY: allocated above and not handed out.
+            unsafe { result::free_host(host) }?;
+            return Err(e.into());
+        }
+        Ok(PinnedBuffer {
+            host,
+            addr,
+            bytes,
+            ctx: device.ctx.clone(),
+        })
+    }
+
+    /// The device address of the buffer.
+    pub fn ptr<T>(&self) -> DPtr<T> {
+        DPtr::new(self.addr)
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The buffer as host words. The caller must have synchronized with any device work on it.
+    pub fn as_mut_slice<T: Copy>(&mut self) -> &mut [T] {
+        let len = self.bytes / std::mem::size_of::<T>();
+        // SAFETY: the allocation is `bytes` long, page-aligned, owned here; device access is
+        // excluded by the caller's synchronization and by `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.host.cast::<T>(), len) }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        self.ctx.record_err(self.ctx.bind_to_thread());
+        // SAFETY: allocated by `malloc_host`, freed once.
+        self.ctx.record_err(unsafe { result::free_host(self.host) });
+    }
+}

@@ -1,0 +1,316 @@
+//! One step's forward pass on the device, as launches on the backend's stream.
+//!
+//! Embedding, then per layer: the residual add of the previous sublayer fused with RMSNorm, the
+//! fused q/k/v projection, rotary embedding fused with the KV append, attention, the output
+//! projection, add + norm, the fused gate/up projection, SiLU × up and the down projection;
+//! then the last add fused with the final norm, which packs the rows whose logits are wanted,
+//! and the vocabulary projection in f32. The residual stream stays f32; everything else is bf16.
+//! The pass reads its metadata from fixed device buffers and takes only sizes as arguments, so
+//! a decode pass can be captured once per batch size and replayed. It allocates nothing.
+
+use std::sync::Arc;
+
+use half::bf16;
+
+use super::device::{DPtr, Device, DeviceBuffer};
+use super::gemm::{Gemm, Linear};
+use super::kernels::{
+    AddRmsNorm, Attention, AttnShape, DecodeAttention, Embed, Kernels, MetaBuffers, RopeKv, Splits,
+};
+use super::pool::KvPool;
+use super::weights::GpuWeights;
+use crate::error::Result;
+use crate::model::ModelConfig;
+
+/// Decode attention splits each row's positions over at most this many blocks (`MAX_SPLITS` in
+/// `kernels/decode_attention.cu`).
+pub const MAX_SPLITS: usize = 16;
+
+/// The sizes the workspaces are allocated for.
+#[derive(Debug, Clone, Copy)]
+pub struct WorkspaceSizes {
+    pub tokens: usize,
+    pub rows: usize,
+    pub logit_rows: usize,
+}
+
+impl WorkspaceSizes {
+    /// Bytes of each buffer, in [`Workspace`]'s order.
+    fn parts(&self, c: &ModelConfig) -> [usize; 10] {
+        let (t, h) = (self.tokens, c.hidden_size);
+        let qkv = c.q_dim() + 2 * c.kv_dim();
+        let split_rows = self.rows * c.num_heads * MAX_SPLITS;
+        [
+            t * h * 4,
+            t * h * 2,
+            t * qkv.max(2 * c.intermediate_size) * 2,
+            t * c.q_dim().max(c.intermediate_size) * 2,
+            t * h * 2,
+            self.logit_rows * c.vocab_size * 4,
+            split_rows * c.head_dim * 4,
+            split_rows * 4,
+            self.rows * 4,
+            self.rows * c.num_heads * 4,
+        ]
+    }
+
+    pub fn bytes(&self, c: &ModelConfig) -> usize {
+        self.parts(c).iter().map(|b| b.next_multiple_of(256)).sum()
+    }
+}
+
+/// The step's activations. Buffers whose users run one after the other share memory: `wide`
+/// holds q/k/v and later gate/up, `narrow` the attention output and later the activation.
+pub struct Workspace {
+    _memory: DeviceBuffer,
+    /// `[tokens, hidden]` f32 residual stream.
+    pub x: DPtr<f32>,
+    /// `[tokens, hidden]` normalized rows (packed logit rows after the final norm).
+    pub normed: DPtr<bf16>,
+    pub wide: DPtr<bf16>,
+    pub narrow: DPtr<bf16>,
+    /// `[tokens, hidden]` a sublayer's output before its residual add.
+    pub proj: DPtr<bf16>,
+    /// `[logit_rows, vocab]`.
+    pub logits: DPtr<f32>,
+    pub o_part: DPtr<f32>,
+    pub lse_part: DPtr<f32>,
+    /// `[rows]` sampled token ids.
+    pub sampled: DPtr<u32>,
+    /// Decode attention's counters of finished splits, zero between launches.
+    pub done: DPtr<u32>,
+    pub sizes: WorkspaceSizes,
+}
+
+impl Workspace {
+    pub fn new(device: &Arc<Device>, config: &ModelConfig, sizes: WorkspaceSizes) -> Result<Self> {
+        let memory = DeviceBuffer::alloc(device, sizes.bytes(config), "the step workspaces")?;
+        let mut next = memory.ptr::<u8>();
+        let mut parts = sizes.parts(config).into_iter().map(|bytes| {
+            let at = next;
+            next = next.offset(bytes.next_multiple_of(256));
+            at
+        });
+        let mut take = || parts.next().expect("one part per buffer");
+        let workspace = Workspace {
+            x: take().cast(),
+            normed: take().cast(),
+            wide: take().cast(),
+            narrow: take().cast(),
+            proj: take().cast(),
+            logits: take().cast(),
+            o_part: take().cast(),
+            lse_part: take().cast(),
+            sampled: take().cast(),
+            done: take().cast(),
+            _memory: memory,
+            sizes,
+        };
+        let counters = sizes.rows * config.num_heads;
+        device.upload(&vec![0u32; counters], workspace.done)?;
+        Ok(workspace)
+    }
+}
+
+/// How a pass runs attention.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum AttentionMode {
+    /// Every row holds one token.
+    Decode { rows: usize, splits: usize },
+    /// Rows of any length, in work items.
+    Prefill { items: usize },
+}
+
+/// The parts of the backend a pass uses.
+pub struct Forward<'a> {
+    pub config: &'a ModelConfig,
+    pub weights: &'a GpuWeights,
+    pub kernels: &'a Kernels,
+    pub gemm: &'a Gemm,
+    pub ws: &'a Workspace,
+    pub meta: &'a MetaBuffers,
+    pub pool: &'a KvPool,
+    pub page_tokens: usize,
+    /// Steps of at most this many tokens use [`Kernels::gemv`] for their projections.
+    pub gemv_max_tokens: usize,
+}
+
+impl Forward<'_> {
+    /// Runs the layers over `tokens` tokens and leaves the wanted rows, normalized, packed at the
+    /// start of `normed`.
+    pub fn run(&self, tokens: usize, mode: AttentionMode) -> Result<()> {
+        let h = self.config.hidden_size;
+        self.kernels.embed(&Embed {
+            table: self.weights.embed(),
+            token_ids: self.meta.token_ids,
+            residual: self.ws.x,
+            tokens,
+            hidden: h,
+        })?;
+        for layer in 0..self.config.num_layers {
+            self.attention_block(layer, tokens, mode)?;
+            self.mlp_block(layer, tokens)?;
+        }
+        self.norm(
+            tokens,
+            self.ws.proj,
+            self.weights.norm(),
+            self.meta.logit_rows,
+        )
+    }
+
+    /// Projects packed rows `first..first + rows` of `normed` into `logits` rows `0..rows`.
+    pub fn logits(&self, first: usize, rows: usize) -> Result<()> {
+        let h = self.config.hidden_size;
+        self.gemm.linear_f32(
+            self.ws.normed.offset(first * h),
+            self.weights.lm_head(),
+            self.ws.logits,
+            Linear {
+                tokens: rows,
+                in_features: h,
+                out_features: self.config.vocab_size,
+            },
+        )
+    }
+
+    fn norm(
+        &self,
+        tokens: usize,
+        delta: DPtr<bf16>,
+        weight: DPtr<bf16>,
+        out_rows: DPtr<u32>,
+    ) -> Result<()> {
+        self.kernels.add_rms_norm(&AddRmsNorm {
+            residual: self.ws.x,
+            delta,
+            weight,
+            out: self.ws.normed,
+            out_rows,
+            tokens,
+            hidden: self.config.hidden_size,
+            eps: self.config.rms_norm_eps,
+        })
+    }
+
+    /// A projection: our gemv for a few tokens, where cuBLAS's tiles are built for many; cuBLAS
+    /// beyond `gemv_max_tokens`.
+    fn linear(
+        &self,
+        x: DPtr<bf16>,
+        w: DPtr<bf16>,
+        y: DPtr<bf16>,
+        shape: (usize, usize, usize),
+    ) -> Result<()> {
+        let (tokens, in_features, out_features) = shape;
+        let shape = Linear {
+            tokens,
+            in_features,
+            out_features,
+        };
+        if tokens <= self.gemv_max_tokens {
+            self.kernels.gemv(x, w, y, shape)
+        } else {
+            self.gemm.linear(x, w, y, shape)
+        }
+    }
+
+    fn shape(&self) -> AttnShape {
+        AttnShape {
+            heads: self.config.num_heads,
+            kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+            page_tokens: self.page_tokens,
+            window: self.config.sliding_window.unwrap_or(0),
+        }
+    }
+
+    fn attention_block(&self, layer: usize, tokens: usize, mode: AttentionMode) -> Result<()> {
+        let (c, w) = (self.config, self.weights.layer(layer));
+        // The first layer has no previous sublayer output to add.
+        let delta = if layer == 0 { DPtr::NULL } else { self.ws.proj };
+        self.norm(tokens, delta, w.attn_norm, DPtr::NULL)?;
+        let shape = self.shape();
+        let qkv = shape.qkv_width();
+        self.linear(
+            self.ws.normed,
+            w.wqkv,
+            self.ws.wide,
+            (tokens, c.hidden_size, qkv),
+        )?;
+        let (k_cache, v_cache) = (self.pool.cache(layer, false), self.pool.cache(layer, true));
+        match mode {
+            AttentionMode::Decode { rows, splits } => {
+                let attention = DecodeAttention {
+                    qkv: self.ws.wide,
+                    bias: w.bqkv,
+                    inv_freq: self.weights.inv_freq(),
+                    k_cache,
+                    v_cache,
+                    rows: self.meta.rows,
+                    shape,
+                    out: self.ws.narrow,
+                };
+                let split = Splits {
+                    splits,
+                    o_part: self.ws.o_part,
+                    lse_part: self.ws.lse_part,
+                    done: self.ws.done,
+                };
+                self.kernels.decode_attention(&attention, rows, &split)?
+            }
+            AttentionMode::Prefill { items } => {
+                self.kernels.rope_kv_append(&RopeKv {
+                    qkv: self.ws.wide,
+                    bias: w.bqkv,
+                    inv_freq: self.weights.inv_freq(),
+                    positions: self.meta.positions,
+                    slots: self.meta.slots,
+                    k_cache,
+                    v_cache,
+                    shape,
+                    tokens,
+                })?;
+                let attention = Attention {
+                    qkv: self.ws.wide,
+                    k_cache,
+                    v_cache,
+                    rows: self.meta.rows,
+                    shape,
+                    out: self.ws.narrow,
+                };
+                self.kernels.prefill_attention(&attention, items)?
+            }
+        }
+        self.linear(
+            self.ws.narrow,
+            w.wo,
+            self.ws.proj,
+            (tokens, c.q_dim(), c.hidden_size),
+        )
+    }
+
+    fn mlp_block(&self, layer: usize, tokens: usize) -> Result<()> {
+        let (c, w) = (self.config, self.weights.layer(layer));
+        let (h, f) = (c.hidden_size, c.intermediate_size);
+        self.norm(tokens, self.ws.proj, w.ffn_norm, DPtr::NULL)?;
+        self.linear(
+            self.ws.normed,
+            w.w_gate_up,
+            self.ws.wide,
+            (tokens, h, 2 * f),
+        )?;
+        self.kernels
+            .silu_mul(self.ws.wide, self.ws.narrow, tokens, f)?;
+        self.linear(self.ws.narrow, w.w_down, self.ws.proj, (tokens, f, h))
+    }
+}
+
+/// Splits for decode attention: enough blocks to fill the device twice over, at most
+/// [`MAX_SPLITS`]. Each row uses fewer where it is short (see the kernel).
+pub fn decode_splits(device: &Device, rows: usize, kv_heads: usize) -> usize {
+    let blocks = rows * kv_heads;
+    (2 * device.multiprocessors as usize)
+        .div_ceil(blocks.max(1))
+        .clamp(1, MAX_SPLITS)
+}

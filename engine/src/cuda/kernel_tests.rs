@@ -1,0 +1,962 @@
+//! Every kernel against a CPU reference on random inputs, outputs poisoned first (0xFF bytes:
+//! NaN in any float type), so an element a kernel fails to write shows up. They need a GPU:
+//! `cargo test --release -p engine --lib cuda -- --ignored` on the GPU machine.
+
+use std::sync::Arc;
+
+use cache::{KvGeometry, PageId};
+use half::bf16;
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::device::{DPtr, Device, DeviceBuffer, PinnedBuffer};
+use super::gemm::{Gemm, Linear};
+use super::kernels::*;
+use super::pool::KvPool;
+use super::step_meta::{LogitSelection, MetaCapacity, PackRequest, StepMeta};
+use crate::backend::{LogitsWanted, RowPlan, StepPlan};
+
+struct Gpu {
+    device: Arc<Device>,
+    kernels: Kernels,
+}
+
+fn gpu(head_dim: usize) -> Gpu {
+    let device = Device::open(0).expect("these tests need a CUDA device");
+    let kernels = Kernels::load(&device, head_dim).expect("the kernels compile and load");
+    Gpu { device, kernels }
+}
+
+fn rng(seed: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+fn uniform(rng: &mut ChaCha8Rng, n: usize, range: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-range..range)).collect()
+}
+
+/// Values rounded to bf16, as the device will see them.
+fn round_bf16(values: &[f32]) -> Vec<f32> {
+    values.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
+}
+
+impl Gpu {
+    fn upload<T: Copy>(&self, values: &[T]) -> DeviceBuffer {
+        let buffer =
+            DeviceBuffer::alloc(&self.device, std::mem::size_of_val(values), "test").unwrap();
+        self.device.upload(values, buffer.ptr()).unwrap();
+        buffer
+    }
+
+    fn upload_bf16(&self, values: &[f32]) -> DeviceBuffer {
+        let bits: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+        self.upload(&bits)
+    }
+
+    /// A buffer of `bytes` 0xFF bytes.
+    fn poisoned(&self, bytes: usize) -> DeviceBuffer {
+        self.upload(&vec![0xFFu8; bytes])
+    }
+
+    fn download<T: Copy + Default>(&self, ptr: DPtr<T>, n: usize) -> Vec<T> {
+        self.device.synchronize().unwrap();
+        let mut out = vec![T::default(); n];
+        self.device.download(ptr, &mut out).unwrap();
+        out
+    }
+
+    fn download_bf16(&self, ptr: DPtr<bf16>, n: usize) -> Vec<f32> {
+        self.download(ptr, n).iter().map(|v| v.to_f32()).collect()
+    }
+}
+
+/// Max absolute error and RMS error relative to the reference's RMS; NaN anywhere fails.
+fn compare(got: &[f32], want: &[f32]) -> (f64, f64) {
+    assert_eq!(got.len(), want.len());
+    let (mut max, mut err, mut norm) = (0f64, 0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        assert!(
+            g.is_finite(),
+            "a non-finite output ({g}): an element was not written"
+        );
+        let d = (g as f64 - w as f64).abs();
+        max = max.max(d);
+        err += d * d;
+        norm += (w as f64) * (w as f64);
+    }
+    (max, (err / norm.max(1e-30)).sqrt())
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32], rel_rms: f64) {
+    let (max, rel) = compare(got, want);
+    println!("{what}: max abs error {max:.3e}, relative RMS {rel:.3e}");
+    assert!(
+        rel <= rel_rms,
+        "{what}: relative RMS {rel:.3e} above {rel_rms:.1e}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn embed_gathers_rows() {
+    let g = gpu(64);
+    let (vocab, hidden) = (300, 96);
+    let table = round_bf16(&uniform(&mut rng(1), vocab * hidden, 2.0));
+    let ids: Vec<u32> = vec![7, 299, 0, 7, 150];
+    let table_d = g.upload_bf16(&table);
+    let ids_d = g.upload(&ids);
+    let out = g.poisoned(ids.len() * hidden * 4);
+    g.kernels
+        .embed(&Embed {
+            table: table_d.ptr(),
+            token_ids: ids_d.ptr(),
+            residual: out.ptr(),
+            tokens: ids.len(),
+            hidden,
+        })
+        .unwrap();
+    let got = g.download(out.ptr::<f32>(), ids.len() * hidden);
+    let want: Vec<f32> = ids
+        .iter()
+        .flat_map(|&t| table[t as usize * hidden..(t as usize + 1) * hidden].to_vec())
+        .collect();
+    assert_eq!(got, want);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn add_rms_norm_adds_normalizes_and_packs_rows() {
+    let g = gpu(64);
+    let (tokens, hidden, eps) = (5, 576, 1e-5f32);
+    let mut r = rng(2);
+    let x = uniform(&mut r, tokens * hidden, 3.0);
+    let delta = round_bf16(&uniform(&mut r, tokens * hidden, 1.0));
+    let weight = round_bf16(&uniform(&mut r, hidden, 1.5));
+    let out_rows = [2, NO_ROW, 0, NO_ROW, 1];
+    let (x_d, delta_d, w_d, rows_d) = (
+        g.upload(&x),
+        g.upload_bf16(&delta),
+        g.upload_bf16(&weight),
+        g.upload(&out_rows),
+    );
+    let out = g.poisoned(tokens * hidden * 2);
+    g.kernels
+        .add_rms_norm(&AddRmsNorm {
+            residual: x_d.ptr(),
+            delta: delta_d.ptr(),
+            weight: w_d.ptr(),
+            out: out.ptr(),
+            out_rows: rows_d.ptr(),
+            tokens,
+            hidden,
+            eps,
+        })
+        .unwrap();
+    let sum: Vec<f32> = x.iter().zip(&delta).map(|(a, b)| a + b).collect();
+    assert_eq!(g.download(x_d.ptr::<f32>(), tokens * hidden), sum);
+    let mut want = Vec::new();
+    for t in [2, 4, 0] {
+        let row = &sum[t * hidden..(t + 1) * hidden];
+        let ms = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / hidden as f64;
+        let scale = 1.0 / (ms + eps as f64).sqrt();
+        want.extend(
+            row.iter()
+                .zip(&weight)
+                .map(|(v, w)| (*v as f64 * scale * *w as f64) as f32),
+        );
+    }
+    let got = g.download_bf16(out.ptr(), tokens * hidden);
+    assert_close("add_rms_norm", &got[..3 * hidden], &want, 4e-3);
+    assert!(
+        got[3 * hidden..].iter().all(|v| v.is_nan()),
+        "rows 3.. are not anyone's"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn silu_mul_gates() {
+    let g = gpu(64);
+    let (tokens, ffn) = (7, 1536);
+    let gate_up = round_bf16(&uniform(&mut rng(3), tokens * 2 * ffn, 6.0));
+    let input = g.upload_bf16(&gate_up);
+    let out = g.poisoned(tokens * ffn * 2);
+    g.kernels
+        .silu_mul(input.ptr(), out.ptr(), tokens, ffn)
+        .unwrap();
+    let want: Vec<f32> = (0..tokens * ffn)
+        .map(|i| {
+            let (t, j) = (i / ffn, i % ffn);
+            let (gv, u) = (
+                gate_up[t * 2 * ffn + j] as f64,
+                gate_up[t * 2 * ffn + ffn + j] as f64,
+            );
+            (gv / (1.0 + (-gv).exp()) * u) as f32
+        })
+        .collect();
+    assert_close(
+        "silu_mul",
+        &g.download_bf16(out.ptr(), tokens * ffn),
+        &want,
+        4e-3,
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn rope_rotates_q_and_appends_k_v_to_their_slots() {
+    let g = gpu(64);
+    let shape = AttnShape {
+        heads: 6,
+        kv_heads: 2,
+        head_dim: 64,
+        page_tokens: 16,
+        window: 0,
+    };
+    let (tokens, width, d, half) = (4, shape.qkv_width(), 64, 32);
+    let mut r = rng(4);
+    let qkv = round_bf16(&uniform(&mut r, tokens * width, 2.0));
+    let bias = round_bf16(&uniform(&mut r, width, 0.5));
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / d as f32))
+        .collect();
+    let positions = [0u32, 5, 1000, 77];
+    let slots = [3u32, 17, 40, 9];
+    let slots_total = 48;
+    let (qkv_d, bias_d, freq_d, pos_d, slot_d) = (
+        g.upload_bf16(&qkv),
+        g.upload_bf16(&bias),
+        g.upload(&inv_freq),
+        g.upload(&positions),
+        g.upload(&slots),
+    );
+    let cache_elems = slots_total * shape.kv_heads * d;
+    let (k, v) = (g.poisoned(cache_elems * 2), g.poisoned(cache_elems * 2));
+    g.kernels
+        .rope_kv_append(&RopeKv {
+            qkv: qkv_d.ptr(),
+            bias: bias_d.ptr(),
+            inv_freq: freq_d.ptr(),
+            positions: pos_d.ptr(),
+            slots: slot_d.ptr(),
+            k_cache: k.ptr(),
+            v_cache: v.ptr(),
+            shape,
+            tokens,
+        })
+        .unwrap();
+    let (mut want_q, mut want_k, mut want_v) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut got_k, mut got_v) = (Vec::new(), Vec::new());
+    let (k_all, v_all) = (
+        g.download_bf16(k.ptr(), cache_elems),
+        g.download_bf16(v.ptr(), cache_elems),
+    );
+    for t in 0..tokens {
+        let row: Vec<f64> = (0..width)
+            .map(|i| (qkv[t * width + i] + bias[i]) as f64)
+            .collect();
+        let rotated = |head: usize| -> Vec<f32> {
+            let h = &row[head * d..(head + 1) * d];
+            let mut out = vec![0f32; d];
+            for i in 0..half {
+                let angle = (positions[t] as f32 * inv_freq[i]) as f64;
+                out[i] = (h[i] * angle.cos() - h[i + half] * angle.sin()) as f32;
+                out[i + half] = (h[i + half] * angle.cos() + h[i] * angle.sin()) as f32;
+            }
+            out
+        };
+        (0..shape.heads).for_each(|h| want_q.extend(rotated(h)));
+        (0..shape.kv_heads).for_each(|h| want_k.extend(rotated(shape.heads + h)));
+        let v_at = (shape.heads + shape.kv_heads) * d;
+        want_v.extend(row[v_at..].iter().map(|&x| x as f32));
+        let at = slots[t] as usize * shape.kv_heads * d;
+        got_k.extend_from_slice(&k_all[at..at + shape.kv_heads * d]);
+        got_v.extend_from_slice(&v_all[at..at + shape.kv_heads * d]);
+    }
+    let q_all = g.download_bf16(qkv_d.ptr(), tokens * width);
+    let got_q: Vec<f32> = (0..tokens)
+        .flat_map(|t| q_all[t * width..t * width + shape.heads * d].to_vec())
+        .collect();
+    assert_close("rope q", &got_q, &want_q, 4e-3);
+    assert_close("rope k", &got_k, &want_k, 4e-3);
+    assert_close("appended v", &got_v, &want_v, 4e-3);
+    let written = tokens * shape.kv_heads * d;
+    assert_eq!(
+        k_all.iter().filter(|x| x.is_nan()).count(),
+        cache_elems - written
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gemm_projects_rows_in_bf16_and_f32() {
+    let g = gpu(64);
+    let gemm = Gemm::new(&g.device).unwrap();
+    let (tokens, inf, outf) = (5, 576, 1000);
+    let mut r = rng(5);
+    let x = round_bf16(&uniform(&mut r, tokens * inf, 1.0));
+    let w = round_bf16(&uniform(&mut r, outf * inf, 0.1));
+    let (x_d, w_d) = (g.upload_bf16(&x), g.upload_bf16(&w));
+    let want: Vec<f32> = (0..tokens * outf)
+        .map(|i| {
+            let (t, o) = (i / outf, i % outf);
+            (0..inf)
+                .map(|k| x[t * inf + k] as f64 * w[o * inf + k] as f64)
+                .sum::<f64>() as f32
+        })
+        .collect();
+    let shape = Linear {
+        tokens,
+        in_features: inf,
+        out_features: outf,
+    };
+    let y16 = g.poisoned(tokens * outf * 2);
+    gemm.linear(x_d.ptr(), w_d.ptr(), y16.ptr(), shape).unwrap();
+    assert_close(
+        "gemm bf16",
+        &g.download_bf16(y16.ptr(), tokens * outf),
+        &want,
+        4e-3,
+    );
+    let y32 = g.poisoned(tokens * outf * 4);
+    gemm.linear_f32(x_d.ptr(), w_d.ptr(), y32.ptr(), shape)
+        .unwrap();
+    assert_close(
+        "gemm f32",
+        &g.download(y32.ptr(), tokens * outf),
+        &want,
+        1e-5,
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gemv_matches_reference_for_few_tokens() {
+    let g = gpu(64);
+    for (tokens, inf, outf) in [(1, 576, 960), (3, 4096, 301), (8, 1536, 576), (2, 64, 7)] {
+        let mut r = rng(12 + tokens as u64);
+        let x = round_bf16(&uniform(&mut r, tokens * inf, 1.0));
+        let w = round_bf16(&uniform(&mut r, outf * inf, 0.1));
+        let (x_d, w_d) = (g.upload_bf16(&x), g.upload_bf16(&w));
+        let y = g.poisoned(tokens * outf * 2);
+        let shape = Linear {
+            tokens,
+            in_features: inf,
+            out_features: outf,
+        };
+        g.kernels
+            .gemv(x_d.ptr(), w_d.ptr(), y.ptr(), shape)
+            .unwrap();
+        let want: Vec<f32> = (0..tokens * outf)
+            .map(|i| {
+                let (t, o) = (i / outf, i % outf);
+                let dot = (0..inf).map(|k| x[t * inf + k] as f64 * w[o * inf + k] as f64);
+                dot.sum::<f64>() as f32
+            })
+            .collect();
+        let got = g.download_bf16(y.ptr(), tokens * outf);
+        assert_close(&format!("gemv {tokens}x{inf} by {outf}"), &got, &want, 4e-3);
+    }
+}
+
+/// A pool with random K and V in layer 0, its host copy, and rows with scattered pages.
+struct AttentionCase {
+    shape: AttnShape,
+    pool: KvPool,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    plan: StepPlan,
+}
+
+fn attention_case(g: &Gpu, shape: AttnShape, rows: &[(usize, usize)], seed: u64) -> AttentionCase {
+    let mut r = rng(seed);
+    let pages_needed: usize = rows
+        .iter()
+        .map(|&(start, n)| (start + n).div_ceil(shape.page_tokens))
+        .sum();
+    let pages = pages_needed + 3;
+    let geometry = KvGeometry {
+        layers: 1,
+        kv_heads: shape.kv_heads,
+        head_dim: shape.head_dim,
+        page_tokens: shape.page_tokens,
+        dtype_bytes: 2,
+    };
+    let pool = KvPool::new(&g.device, geometry, pages).unwrap();
+    let elems = pool.pages_total() * pool.page_elems();
+    let (k, v) = (
+        round_bf16(&uniform(&mut r, elems, 2.0)),
+        round_bf16(&uniform(&mut r, elems, 1.0)),
+    );
+    let to_bits = |x: &[f32]| x.iter().map(|&f| bf16::from_f32(f)).collect::<Vec<_>>();
+    g.device.upload(&to_bits(&k), pool.cache(0, false)).unwrap();
+    g.device.upload(&to_bits(&v), pool.cache(0, true)).unwrap();
+    // Pages handed out in a shuffled order, so no row's pages are consecutive.
+    let mut order: Vec<u32> = (0..pages as u32).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, r.random_range(0..=i));
+    }
+    let mut next = order.into_iter();
+    let plan = StepPlan {
+        rows: rows
+            .iter()
+            .map(|&(start_pos, n)| RowPlan {
+                tokens: vec![1; n],
+                start_pos,
+                pages: (0..(start_pos + n).div_ceil(shape.page_tokens))
+                    .map(|_| PageId(next.next().unwrap()))
+                    .collect(),
+                logits: LogitsWanted::Last,
+            })
+            .collect(),
+    };
+    AttentionCase {
+        shape,
+        pool,
+        k,
+        v,
+        plan,
+    }
+}
+
+impl AttentionCase {
+    /// Reference output `[tokens, heads · head_dim]` for queries `q` (`[tokens, qkv width]`).
+    fn reference(&self, q: &[f32]) -> Vec<f32> {
+        let s = self.shape;
+        let (d, group) = (s.head_dim, s.heads / s.kv_heads);
+        let mut out = Vec::new();
+        let mut token = 0;
+        for row in &self.plan.rows {
+            for j in 0..row.tokens.len() {
+                let pos = row.start_pos + j;
+                let lo = if s.window > 0 {
+                    (pos + 1).saturating_sub(s.window)
+                } else {
+                    0
+                };
+                for h in 0..s.heads {
+                    let qh = &q[token * s.qkv_width() + h * d..][..d];
+                    let at = |p: usize| {
+                        let slot = row.pages[p / s.page_tokens].index() * s.page_tokens
+                            + p % s.page_tokens;
+                        (slot * s.kv_heads + h / group) * d
+                    };
+                    let scores: Vec<f64> = (lo..=pos)
+                        .map(|p| {
+                            let k = &self.k[at(p)..at(p) + d];
+                            qh.iter()
+                                .zip(k)
+                                .map(|(a, b)| *a as f64 * *b as f64)
+                                .sum::<f64>()
+                                / (d as f64).sqrt()
+                        })
+                        .collect();
+                    let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+                    let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                    let total: f64 = weights.iter().sum();
+                    for i in 0..d {
+                        let o: f64 = (lo..=pos)
+                            .zip(&weights)
+                            .map(|(p, w)| w * self.v[at(p) + i] as f64)
+                            .sum();
+                        out.push((o / total) as f32);
+                    }
+                }
+                token += 1;
+            }
+        }
+        out
+    }
+
+    /// Loads the plan's metadata, random queries, and a poisoned output.
+    fn inputs(
+        &self,
+        g: &Gpu,
+        meta: &mut StepMeta,
+        seed: u64,
+    ) -> (Vec<f32>, DeviceBuffer, DeviceBuffer, usize) {
+        let s = self.shape;
+        let item_tokens = if self.plan.rows.iter().all(|r| r.tokens.len() == 1) {
+            0
+        } else {
+            s.prefill_tile_tokens()
+        };
+        let layout = meta
+            .load(
+                &g.kernels,
+                &PackRequest {
+                    plan: &self.plan,
+                    select: LogitSelection::Wanted,
+                    pad_rows_to: 0,
+                    item_tokens,
+                    sample_params: &[],
+                },
+            )
+            .unwrap();
+        let tokens = self.plan.total_tokens();
+        let q = round_bf16(&uniform(&mut rng(seed), tokens * s.qkv_width(), 2.0));
+        let out = g.poisoned(tokens * s.heads * s.head_dim * 2);
+        (q.clone(), g.upload_bf16(&q), out, layout.items)
+    }
+
+    fn attention(&self, qkv: DPtr<bf16>, meta: &StepMeta, out: DPtr<bf16>) -> Attention {
+        Attention {
+            qkv,
+            k_cache: self.pool.cache(0, false),
+            v_cache: self.pool.cache(0, true),
+            rows: meta.buffers().rows,
+            shape: self.shape,
+            out,
+        }
+    }
+}
+
+fn meta_for(g: &Gpu, page_tokens: usize, spare: PageId) -> StepMeta {
+    let capacity = MetaCapacity {
+        tokens: 2048,
+        rows: 64,
+        table_stride: 256,
+    };
+    StepMeta::new(&g.device, capacity, page_tokens, spare).unwrap()
+}
+
+fn shape(heads: usize, kv_heads: usize, head_dim: usize, window: usize) -> AttnShape {
+    AttnShape {
+        heads,
+        kv_heads,
+        head_dim,
+        page_tokens: 16,
+        window,
+    }
+}
+
+/// Rotates one head by `pos` (pairs i, i + d/2), as Hugging Face does.
+fn rotate(head: &[f64], pos: usize, inv_freq: &[f32]) -> Vec<f64> {
+    let half = head.len() / 2;
+    let mut out = head.to_vec();
+    for i in 0..half {
+        let angle = (pos as f32 * inv_freq[i]) as f64;
+        out[i] = head[i] * angle.cos() - head[i + half] * angle.sin();
+        out[i + half] = head[i + half] * angle.cos() + head[i] * angle.sin();
+    }
+    out
+}
+
+/// Rotated queries of `raw` q/k/v rows (bias added), and the new k/v written into the host copy
+/// of the cache as the kernel must store them; returns the queries and the written offsets.
+fn decode_reference_inputs(
+    case: &mut AttentionCase,
+    raw: &[f32],
+    bias: &[f32],
+    inv_freq: &[f32],
+) -> (Vec<f32>, Vec<usize>) {
+    let s = case.shape;
+    let (d, width) = (s.head_dim, s.qkv_width());
+    let mut q = vec![0f32; raw.len()];
+    let mut appended = Vec::new();
+    for (t, row) in case.plan.rows.iter().enumerate() {
+        let pos = row.start_pos;
+        let x: Vec<f64> = (0..width)
+            .map(|i| (raw[t * width + i] + bias[i]) as f64)
+            .collect();
+        for h in 0..s.heads {
+            let r = rotate(&x[h * d..(h + 1) * d], pos, inv_freq);
+            for (o, v) in q[t * width + h * d..][..d].iter_mut().zip(r) {
+                *o = v as f32;
+            }
+        }
+        let slot = row.pages[pos / s.page_tokens].index() * s.page_tokens + pos % s.page_tokens;
+        for h in 0..s.kv_heads {
+            let k = rotate(&x[(s.heads + h) * d..][..d], pos, inv_freq);
+            let v = &x[(s.heads + s.kv_heads + h) * d..][..d];
+            let at = (slot * s.kv_heads + h) * d;
+            for i in 0..d {
+                case.k[at + i] = bf16::from_f64(k[i]).to_f32();
+                case.v[at + i] = bf16::from_f64(v[i]).to_f32();
+            }
+            appended.push(at);
+        }
+    }
+    (q, appended)
+}
+
+/// Decode attention of rows holding `contexts` positions, the last one new (its q/k/v raw from
+/// the projection), run twice to show the split counters reset.
+fn check_decode(shape: AttnShape, contexts: &[usize], splits: usize, with_bias: bool) {
+    let g = gpu(shape.head_dim);
+    let rows: Vec<(usize, usize)> = contexts.iter().map(|&c| (c - 1, 1)).collect();
+    let mut case = attention_case(&g, shape, &rows, 6 + splits as u64);
+    let (d, width) = (shape.head_dim, shape.qkv_width());
+    let mut meta = meta_for(&g, shape.page_tokens, case.pool.spare_page());
+    let (raw, raw_d, out, _) = case.inputs(&g, &mut meta, 7);
+    let bias = if with_bias {
+        round_bf16(&uniform(&mut rng(8), width, 0.5))
+    } else {
+        vec![0.0; width]
+    };
+    let inv_freq: Vec<f32> = (0..d / 2)
+        .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / d as f32))
+        .collect();
+    let (bias_d, freq_d) = (g.upload_bf16(&bias), g.upload(&inv_freq));
+    let (q, appended) = decode_reference_inputs(&mut case, &raw, &bias, &inv_freq);
+    let want = case.reference(&q);
+    let n = rows.len() * shape.heads;
+    let (o_part, lse) = (g.poisoned(n * splits * d * 4), g.poisoned(n * splits * 4));
+    let done = g.upload(&vec![0u32; rows.len() * shape.decode_blocks_per_row()]);
+    let split = Splits {
+        splits,
+        o_part: o_part.ptr(),
+        lse_part: lse.ptr(),
+        done: done.ptr(),
+    };
+    let attention = DecodeAttention {
+        qkv: raw_d.ptr(),
+        bias: if with_bias { bias_d.ptr() } else { DPtr::NULL },
+        inv_freq: freq_d.ptr(),
+        k_cache: case.pool.cache(0, false),
+        v_cache: case.pool.cache(0, true),
+        rows: meta.buffers().rows,
+        shape,
+        out: out.ptr(),
+    };
+    let what = format!("decode {shape:?} contexts {contexts:?} splits {splits} bias {with_bias}");
+    for run in 0..2 {
+        g.kernels
+            .decode_attention(&attention, rows.len(), &split)
+            .unwrap();
+        let got = g.download_bf16(out.ptr(), n * d);
+        assert_close(&format!("{what}, run {run}"), &got, &want, 1e-2);
+    }
+    let elems = case.pool.pages_total() * case.pool.page_elems();
+    let k_all = g.download_bf16(case.pool.cache(0, false), elems);
+    let v_all = g.download_bf16(case.pool.cache(0, true), elems);
+    let pick = |all: &[f32]| -> Vec<f32> {
+        appended
+            .iter()
+            .flat_map(|&at| all[at..at + d].to_vec())
+            .collect()
+    };
+    assert_close("appended k", &pick(&k_all), &pick(&case.k), 8e-3);
+    assert_close("appended v", &pick(&v_all), &pick(&case.v), 8e-3);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn decode_attention_matches_reference() {
+    check_decode(shape(9, 3, 64, 0), &[1, 17, 300], 1, false);
+    check_decode(shape(9, 3, 64, 0), &[1, 17, 300, 1000], 7, true);
+    check_decode(shape(32, 8, 128, 0), &[5, 513, 64], 4, false);
+    check_decode(shape(14, 2, 64, 0), &[40, 200], 3, true);
+    check_decode(shape(4, 2, 16, 0), &[3, 90], 2, false);
+    check_decode(shape(8, 8, 32, 100), &[30, 333], 5, false);
+}
+
+fn check_prefill(shape: AttnShape, rows: &[(usize, usize)]) {
+    let g = gpu(shape.head_dim);
+    let case = attention_case(&g, shape, rows, 8);
+    let mut meta = meta_for(&g, shape.page_tokens, case.pool.spare_page());
+    let (q, q_d, out, items) = case.inputs(&g, &mut meta, 9);
+    g.kernels
+        .prefill_attention(&case.attention(q_d.ptr(), &meta, out.ptr()), items)
+        .unwrap();
+    let got = g.download_bf16(
+        out.ptr(),
+        case.plan.total_tokens() * shape.heads * shape.head_dim,
+    );
+    let what = format!("prefill {shape:?} rows {rows:?}");
+    assert_close(&what, &got, &case.reference(&q), 2e-2);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn prefill_attention_matches_reference() {
+    // (start position, tokens): fresh prompts, a restored prefix plus new tokens, one token.
+    check_prefill(shape(9, 3, 64, 0), &[(0, 100), (48, 37), (5, 1)]);
+    check_prefill(shape(32, 8, 128, 0), &[(0, 130), (200, 70)]);
+    check_prefill(shape(14, 2, 64, 0), &[(0, 50), (16, 20)]);
+    check_prefill(shape(16, 1, 32, 0), &[(0, 40)]);
+    check_prefill(shape(4, 2, 16, 0), &[(0, 33), (7, 9)]);
+    check_prefill(shape(8, 4, 64, 24), &[(0, 90), (60, 40)]);
+}
+
+/// The sampling kernel's rule, written plainly: rank, cut, weigh, draw in id order.
+fn reference_sample(logits: &[f32], p: &[u32; SAMPLE_PARAM_WORDS]) -> u32 {
+    let (temperature, top_k, top_p, min_p) = (
+        f32::from_bits(p[0]),
+        p[1] as usize,
+        f32::from_bits(p[2]),
+        f32::from_bits(p[3]),
+    );
+    let uniform = f64::from_bits(p[4] as u64 | (p[5] as u64) << 32);
+    let best = crate::sampling::argmax(logits);
+    if temperature == 0.0 || !logits.iter().any(|l| *l > f32::NEG_INFINITY) {
+        return best;
+    }
+    let rank =
+        |a: &(usize, f32), b: &(usize, f32)| b.1.partial_cmp(&a.1).unwrap().then(a.0.cmp(&b.0));
+    let mut kept: Vec<(usize, f32)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| **l > f32::NEG_INFINITY)
+        .map(|(i, l)| (i, l.min(f32::MAX)))
+        .collect();
+    kept.sort_by(rank);
+    if top_k > 0 && top_k < kept.len() {
+        kept.truncate(top_k);
+    }
+    let max = kept[0].1;
+    let mut weights: Vec<(usize, f32)> = kept
+        .iter()
+        .map(|&(i, l)| (i, ((l - max) / temperature).exp()))
+        .collect();
+    if top_p < 1.0 {
+        weights.sort_by(rank);
+        let target = top_p as f64 * weights.iter().map(|w| w.1 as f64).sum::<f64>();
+        let mut mass = 0.0;
+        let len = weights.iter().position(|w| {
+            mass += w.1 as f64;
+            mass >= target
+        });
+        weights.truncate(len.map_or(weights.len(), |l| l + 1));
+    }
+    weights.retain(|w| w.1 > 0.0 && w.1 >= min_p);
+    weights.sort_by_key(|w| w.0);
+    let threshold = uniform * weights.iter().map(|w| w.1 as f64).sum::<f64>();
+    let mut mass = 0.0;
+    for w in &weights {
+        mass += w.1 as f64;
+        if mass > threshold {
+            return w.0 as u32;
+        }
+    }
+    weights.last().unwrap().0 as u32
+}
+
+fn params(
+    temperature: f32,
+    top_k: u32,
+    top_p: f32,
+    min_p: f32,
+    uniform: f64,
+) -> [u32; SAMPLE_PARAM_WORDS] {
+    let bits = uniform.to_bits();
+    [
+        temperature.to_bits(),
+        top_k,
+        top_p.to_bits(),
+        min_p.to_bits(),
+        bits as u32,
+        (bits >> 32) as u32,
+    ]
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn sampling_matches_the_reference_rule() {
+    let g = gpu(64);
+    let vocab = 49_152;
+    let mut r = rng(10);
+    let rows = [
+        params(0.0, 0, 1.0, 0.0, 0.0),
+        params(0.0, 0, 1.0, 0.0, 0.0),
+        params(1.0, 0, 1.0, 0.0, 0.37),
+        params(0.7, 50, 1.0, 0.0, 0.91),
+        params(1.0, 0, 0.9, 0.0, 0.55),
+        params(1.3, 40, 0.8, 0.05, 0.02),
+        params(0.5, 1, 1.0, 0.0, 0.99),
+        params(2.0, 0, 0.95, 0.0, 0.999),
+    ];
+    let mut logits = uniform(&mut r, rows.len() * vocab, 8.0);
+    // Row 1: ties at the top go to the lowest id, NaN and +inf handling on the greedy path.
+    logits[vocab + 5] = 20.0;
+    logits[vocab + 9] = 20.0;
+    logits[vocab + 3] = f32::NAN;
+    // Row 3 holds -inf logits that can never be drawn.
+    logits[3 * vocab..3 * vocab + 100].fill(f32::NEG_INFINITY);
+    let flat: Vec<u32> = rows.iter().flatten().copied().collect();
+    let (logits_d, params_d) = (g.upload(&logits), g.upload(&flat));
+    let tokens = g.poisoned(rows.len() * 4);
+    g.kernels
+        .sample_rows(
+            logits_d.ptr(),
+            vocab,
+            params_d.ptr(),
+            tokens.ptr(),
+            rows.len(),
+        )
+        .unwrap();
+    let got = g.download(tokens.ptr::<u32>(), rows.len());
+    let want: Vec<u32> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, p)| reference_sample(&logits[i * vocab..(i + 1) * vocab], p))
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(got[1], 5);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn page_copies_round_trip_through_both_tiers() {
+    let g = gpu(64);
+    let geometry = KvGeometry {
+        layers: 3,
+        kv_heads: 2,
+        head_dim: 64,
+        page_tokens: 16,
+        dtype_bytes: 2,
+    };
+    let pool = KvPool::new(&g.device, geometry, 10).unwrap();
+    let bytes = pool.bytes() as usize;
+    let mut r = rng(11);
+    let data: Vec<u8> = (0..bytes)
+        .map(|_| r.random_range(0..=255u32) as u8)
+        .collect();
+    g.device.upload(&data, pool.base()).unwrap();
+    let copies = [(0u32, 7u32), (1, 2), (2, 9)];
+    let list: Vec<u32> = copies.iter().flat_map(|&(s, p)| [s, p]).collect();
+    let list_d = g.upload(&list);
+    let page_bytes = pool.page_elems() * 2;
+    let snapshot_bytes = copies.len() * geometry.page_bytes();
+    let device_tier = g.poisoned(snapshot_bytes);
+    let mut host_tier = PinnedBuffer::alloc(&g.device, snapshot_bytes, "test").unwrap();
+    host_tier.as_mut_slice::<u8>().fill(0xFF);
+    for snapshot in [device_tier.ptr(), host_tier.ptr()] {
+        let args = PageCopies {
+            pool: pool.base(),
+            snapshot,
+            copies: list_d.ptr(),
+            count: copies.len(),
+            pages_total: pool.pages_total(),
+            page_bytes,
+            layers: geometry.layers,
+        };
+        g.kernels.copy_pages(&args, true).unwrap();
+    }
+    let mut want = Vec::new();
+    for &(_, p) in &copies {
+        for block in 0..2 * geometry.layers {
+            let at = (block * pool.pages_total() + p as usize) * page_bytes;
+            want.extend_from_slice(&data[at..at + page_bytes]);
+        }
+    }
+    assert_eq!(g.download(device_tier.ptr::<u8>(), snapshot_bytes), want);
+    g.device.synchronize().unwrap();
+    assert_eq!(host_tier.as_mut_slice::<u8>(), &want[..]);
+    // Scatter the host copy into other pages, then overwrite nothing else.
+    let back: Vec<u32> = [(0u32, 1u32), (1, 4), (2, 0)]
+        .iter()
+        .flat_map(|&(s, p)| [s, p])
+        .collect();
+    let back_d = g.upload(&back);
+    let args = PageCopies {
+        pool: pool.base(),
+        snapshot: host_tier.ptr(),
+        copies: back_d.ptr(),
+        count: 3,
+        pages_total: pool.pages_total(),
+        page_bytes,
+        layers: geometry.layers,
+    };
+    g.kernels.copy_pages(&args, false).unwrap();
+    let after = g.download(pool.base(), bytes);
+    for (i, &(_, src)) in copies.iter().enumerate() {
+        let dst = [1usize, 4, 0][i];
+        for block in 0..2 * geometry.layers {
+            let (a, b) = (
+                (block * pool.pages_total() + dst) * page_bytes,
+                (block * pool.pages_total() + src as usize) * page_bytes,
+            );
+            assert_eq!(after[a..a + page_bytes], data[b..b + page_bytes]);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn step_metadata_lands_in_its_typed_buffers() {
+    let g = gpu(64);
+    let mut meta = meta_for(&g, 16, PageId(99));
+    let plan = StepPlan {
+        rows: vec![
+            RowPlan {
+                tokens: vec![5, 6, 7],
+                start_pos: 30,
+                pages: vec![PageId(4), PageId(8), PageId(1)],
+                logits: LogitsWanted::All,
+            },
+            RowPlan {
+                tokens: vec![9],
+                start_pos: 0,
+                pages: vec![PageId(3), PageId(2)],
+                logits: LogitsWanted::Last,
+            },
+        ],
+    };
+    let sample = params(0.5, 3, 0.9, 0.0, 0.25);
+    let layout = meta
+        .load(
+            &g.kernels,
+            &PackRequest {
+                plan: &plan,
+                select: LogitSelection::Wanted,
+                pad_rows_to: 4,
+                item_tokens: 2,
+                sample_params: &sample,
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        (layout.tokens, layout.rows, layout.items, layout.logit_rows),
+        (6, 4, 5, 4)
+    );
+    let b = *meta.buffers();
+    assert_eq!(g.download(b.token_ids, 6), [5, 6, 7, 9, 0, 0]);
+    assert_eq!(g.download(b.positions, 6), [30, 31, 32, 0, 0, 0]);
+    assert_eq!(
+        g.download(b.slots, 6),
+        [8 * 16 + 14, 8 * 16 + 15, 16, 3 * 16, 99 * 16, 99 * 16]
+    );
+    assert_eq!(g.download(b.logit_rows, 6), [0, 1, 2, 3, NO_ROW, NO_ROW]);
+    assert_eq!(g.download(b.rows.start_token, 4), [0, 3, 4, 5]);
+    assert_eq!(g.download(b.rows.start_pos, 4), [30, 0, 0, 0]);
+    assert_eq!(g.download(b.rows.len, 4), [3, 1, 1, 1]);
+    let table = g.download(b.rows.page_table, 4 * 256);
+    assert_eq!(
+        (&table[..3], table[256], table[512]),
+        (&[4, 8, 1][..], 3, 99)
+    );
+    assert_eq!(g.download(b.rows.items, 10), [0, 0, 0, 2, 1, 0, 2, 0, 3, 0]);
+    assert_eq!(g.download(b.sample_params, 6), sample);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn random_weights_are_a_pure_function_of_the_seed() {
+    let g = gpu(64);
+    let n = 100_003;
+    let out = g.poisoned(n * 2);
+    g.kernels
+        .fill_uniform(out.ptr(), n, 42, (-0.5, 0.25))
+        .unwrap();
+    let got = g.download_bf16(out.ptr(), n);
+    let splitmix = |mut x: u64| {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        x ^ (x >> 31)
+    };
+    let want: Vec<f32> = (0..n as u64)
+        .map(|i| {
+            let u = (splitmix(42 ^ splitmix(i)) >> 40) as f32 / 16_777_216.0;
+            bf16::from_f32(-0.5 + 0.75 * u).to_f32()
+        })
+        .collect();
+    let off = got
+        .iter()
+        .zip(&want)
+        .filter(|(a, b)| (*a - *b).abs() > 2f32.powi(-8))
+        .count();
+    assert_eq!(off, 0, "every value within one bf16 step of the reference");
+    assert!(got.iter().all(|v| (-0.5..=0.25).contains(v)));
+}

@@ -1,0 +1,563 @@
+//! The typed kernel registry.
+//!
+//! `kernels/*.cu` are embedded in the binary, appended to `kernels/common.cuh` with `#line`
+//! markers (so NVRTC's messages name the right file and line) and compiled as one program, once
+//! per process and architecture; the PTX is kept for every later backend. [`Kernels`] loads it
+//! into a device's context and exposes one method per kernel, with typed arguments, so nothing
+//! outside this file names a kernel or orders its arguments. Launch shapes (grid, threads) are
+//! decided here too, from the sizes the caller passes.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::CudaFunction;
+use cudarc::nvrtc::{CompileOptions, Ptx};
+use half::bf16;
+
+use super::device::{Args, DPtr, Device};
+use super::gemm::Linear;
+use crate::error::{EngineError, Result};
+
+/// The sources, `common.cuh` first.
+const SOURCES: [(&str, &str); 12] = [
+    ("common.cuh", include_str!("../../../kernels/common.cuh")),
+    (
+        "embedding.cu",
+        include_str!("../../../kernels/embedding.cu"),
+    ),
+    ("rms_norm.cu", include_str!("../../../kernels/rms_norm.cu")),
+    ("silu_mul.cu", include_str!("../../../kernels/silu_mul.cu")),
+    ("gemv.cu", include_str!("../../../kernels/gemv.cu")),
+    ("rope_kv.cu", include_str!("../../../kernels/rope_kv.cu")),
+    (
+        "decode_attention.cu",
+        include_str!("../../../kernels/decode_attention.cu"),
+    ),
+    (
+        "prefill_attention.cu",
+        include_str!("../../../kernels/prefill_attention.cu"),
+    ),
+    ("sampling.cu", include_str!("../../../kernels/sampling.cu")),
+    (
+        "page_copy.cu",
+        include_str!("../../../kernels/page_copy.cu"),
+    ),
+    (
+        "step_meta.cu",
+        include_str!("../../../kernels/step_meta.cu"),
+    ),
+    (
+        "random_init.cu",
+        include_str!("../../../kernels/random_init.cu"),
+    ),
+];
+
+/// Head dimensions the attention kernels are instantiated for.
+pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
+
+/// Query rows (token × head pairs) of one prefill attention block (`PREFILL_ROWS`).
+const PREFILL_ROWS: usize = 64;
+/// Query heads one prefill attention block serves (`MAX_GROUP`).
+const MAX_GROUP: usize = 8;
+/// Query heads one decode attention block serves (`DECODE_GROUP`).
+const DECODE_GROUP: usize = 4;
+/// Words of one sampled row's parameters (`SAMPLE_PARAM_WORDS`).
+pub const SAMPLE_PARAM_WORDS: usize = 6;
+/// Header words of a step's metadata blob (`STEP_HEADER_WORDS`).
+pub const STEP_HEADER_WORDS: usize = 8;
+/// Marks a token whose logits are not wanted (`NO_ROW`).
+pub const NO_ROW: u32 = u32::MAX;
+
+/// Chunks of 8 elements one `add_rms_norm` thread holds (`NORM_CHUNKS`).
+const NORM_CHUNKS: usize = 4;
+
+/// The most tokens [`Kernels::gemv`] takes.
+pub const GEMV_MAX_TOKENS: usize = 8;
+/// Output rows of one gemv block (`GEMV_WARPS · GEMV_ROWS`), and its threads.
+const GEMV_ROWS_PER_BLOCK: usize = 8;
+const GEMV_THREADS: u32 = 128;
+
+const THREADS: u32 = 256;
+const ATTENTION_THREADS: u32 = 128;
+const SAMPLE_THREADS: u32 = 1024;
+
+/// Threads for a block that works on `chunks` pieces of one row: whole warps, at most 1024.
+fn row_threads(chunks: usize) -> u32 {
+    chunks.next_multiple_of(32).clamp(32, 1024) as u32
+}
+
+/// The whole program's source, each file after a `#line` marker.
+fn program_source() -> String {
+    SOURCES
+        .iter()
+        .map(|(name, text)| format!("#line 1 \"{name}\"\n{text}\n"))
+        .collect()
+}
+
+/// Compiles the kernels for `arch` (e.g. `sm_90`), or returns the PTX compiled earlier in this
+/// process.
+pub fn compile(arch: &str) -> Result<Ptx> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Ptx>>> = OnceLock::new();
+    let mut cache = CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .expect("no compile panics while holding the cache");
+    if let Some(ptx) = cache.get(arch) {
+        return Ok(ptx.clone());
+    }
+    let options = CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        name: Some("snapserve_kernels.cu".into()),
+        ..Default::default()
+    };
+    let ptx =
+        cudarc::nvrtc::compile_ptx_with_opts(program_source(), options).map_err(|e| match e {
+            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                EngineError::KernelCompile(log.to_string_lossy().into_owned())
+            }
+            other => EngineError::KernelCompile(other.to_string()),
+        })?;
+    cache.insert(arch.to_string(), ptx.clone());
+    Ok(ptx)
+}
+
+/// Every kernel, loaded for one device and one head dimension.
+pub struct Kernels {
+    embed_tokens: CudaFunction,
+    add_rms_norm: CudaFunction,
+    silu_mul: CudaFunction,
+    /// For at most 1, 2, 4 and 8 tokens.
+    gemv: [CudaFunction; 4],
+    rope_kv_append: CudaFunction,
+    decode_attention: CudaFunction,
+    prefill_attention: CudaFunction,
+    sample_rows: CudaFunction,
+    gather_pages: CudaFunction,
+    scatter_pages: CudaFunction,
+    unpack_step: CudaFunction,
+    fill_uniform_bf16: CudaFunction,
+    device: Arc<Device>,
+}
+
+impl Kernels {
+    /// Compiles (once per process) and loads the kernels, the attention ones for `head_dim`.
+    pub fn load(device: &Arc<Device>, head_dim: usize) -> Result<Self> {
+        if !HEAD_DIMS.contains(&head_dim) {
+            return Err(EngineError::CudaUnavailable(format!(
+                "head_dim {head_dim} has no attention kernel (supported: {HEAD_DIMS:?})"
+            )));
+        }
+        device.bind()?;
+        let module = device.context().load_module(compile(&device.arch())?)?;
+        let f = |name: &str| module.load_function(name);
+        Ok(Kernels {
+            embed_tokens: f("embed_tokens")?,
+            add_rms_norm: f("add_rms_norm")?,
+            silu_mul: f("silu_mul")?,
+            gemv: [f("gemv_t1")?, f("gemv_t2")?, f("gemv_t4")?, f("gemv_t8")?],
+            rope_kv_append: f("rope_kv_append")?,
+            decode_attention: f(&format!("decode_attention_d{head_dim}"))?,
+            prefill_attention: f(&format!("prefill_attention_d{head_dim}"))?,
+            sample_rows: f("sample_rows")?,
+            gather_pages: f("gather_pages")?,
+            scatter_pages: f("scatter_pages")?,
+            unpack_step: f("unpack_step")?,
+            fill_uniform_bf16: f("fill_uniform_bf16")?,
+            device: device.clone(),
+        })
+    }
+
+    /// Blocks for an elementwise kernel over `n` items: enough to fill the device, no more.
+    fn elementwise_blocks(&self, n: usize) -> u32 {
+        let wanted = n.div_ceil(THREADS as usize).max(1);
+        wanted.min(self.device.multiprocessors as usize * 8) as u32
+    }
+
+    /// `residual[t] = table[token_ids[t]]` for `tokens` tokens.
+    pub fn embed(&self, a: &Embed) -> Result<()> {
+        let args = Args::new()
+            .ptr(a.table)
+            .ptr(a.token_ids)
+            .ptr(a.residual)
+            .u32(a.hidden as u32);
+        let threads = row_threads(a.hidden / 8);
+        self.device
+            .launch(&self.embed_tokens, (a.tokens as u32, 1, 1), threads, &args)
+    }
+
+    /// `residual += delta` (if any), then RMSNorm of each row into `out`.
+    pub fn add_rms_norm(&self, a: &AddRmsNorm) -> Result<()> {
+        let args = Args::new()
+            .ptr(a.residual)
+            .ptr(a.delta)
+            .ptr(a.weight)
+            .ptr(a.out)
+            .ptr(a.out_rows)
+            .u32(a.hidden as u32)
+            .f32(a.eps);
+        // A thread per chunk of 8 elements, up to NORM_CHUNKS chunks each past 1024 threads.
+        let threads = row_threads(a.hidden / 8);
+        debug_assert!(a.hidden / 8 <= 1024 * NORM_CHUNKS);
+        self.device
+            .launch(&self.add_rms_norm, (a.tokens as u32, 1, 1), threads, &args)
+    }
+
+    /// `out = silu(gate) · up` for rows of `[gate | up]`, `ffn` wide each.
+    pub fn silu_mul(
+        &self,
+        gate_up: DPtr<bf16>,
+        out: DPtr<bf16>,
+        tokens: usize,
+        ffn: usize,
+    ) -> Result<()> {
+        let args = Args::new()
+            .ptr(gate_up)
+            .ptr(out)
+            .u32(tokens as u32)
+            .u32(ffn as u32);
+        let blocks = self.elementwise_blocks(tokens * ffn);
+        self.device
+            .launch(&self.silu_mul, (blocks, 1, 1), THREADS, &args)
+    }
+
+    /// `y = x · wᵀ` for at most [`GEMV_MAX_TOKENS`] tokens (bf16 `[tokens, in]` by
+    /// `[out, in]`).
+    pub fn gemv(&self, x: DPtr<bf16>, w: DPtr<bf16>, y: DPtr<bf16>, shape: Linear) -> Result<()> {
+        let variant = match shape.tokens {
+            1 => 0,
+            2 => 1,
+            3 | 4 => 2,
+            5..=GEMV_MAX_TOKENS => 3,
+            n => panic!("gemv takes 1 to {GEMV_MAX_TOKENS} tokens, not {n}"),
+        };
+        let args = Args::new()
+            .ptr(x)
+            .ptr(w)
+            .ptr(y)
+            .u32(shape.tokens as u32)
+            .u32(shape.in_features as u32)
+            .u32(shape.out_features as u32);
+        let blocks = shape.out_features.div_ceil(GEMV_ROWS_PER_BLOCK) as u32;
+        self.device
+            .launch(&self.gemv[variant], (blocks, 1, 1), GEMV_THREADS, &args)
+    }
+
+    /// Bias, rotary embedding of q and k, and the append of k and v to the paged cache.
+    pub fn rope_kv_append(&self, a: &RopeKv) -> Result<()> {
+        let s = &a.shape;
+        let args = Args::new()
+            .ptr(a.qkv)
+            .ptr(a.bias)
+            .ptr(a.inv_freq)
+            .ptr(a.positions)
+            .ptr(a.slots)
+            .ptr(a.k_cache)
+            .ptr(a.v_cache)
+            .u32(s.heads as u32)
+            .u32(s.kv_heads as u32)
+            .u32(s.head_dim as u32);
+        // One thread per rotated pair or copied v element; a token's blocks share them.
+        let units = (s.heads + s.kv_heads) * s.head_dim / 2 + s.kv_heads * s.head_dim;
+        let grid = (a.tokens as u32, units.div_ceil(THREADS as usize) as u32, 1);
+        self.device
+            .launch(&self.rope_kv_append, grid, THREADS, &args)
+    }
+
+    /// Attention of rows holding one new token each, whose bias, rotary embedding and KV append
+    /// it does too, over `split.splits` splits of each row's positions.
+    pub fn decode_attention(&self, a: &DecodeAttention, rows: usize, split: &Splits) -> Result<()> {
+        let s = &a.shape;
+        let args = Args::new()
+            .ptr(a.qkv)
+            .ptr(a.bias)
+            .ptr(a.inv_freq)
+            .ptr(a.k_cache)
+            .ptr(a.v_cache)
+            .ptr(a.rows.page_table)
+            .u32(a.rows.table_stride as u32)
+            .ptr(a.rows.start_token)
+            .ptr(a.rows.start_pos)
+            .u32(s.heads as u32)
+            .u32(s.kv_heads as u32)
+            .u32(s.page_tokens as u32)
+            .u32(s.window as u32)
+            .f32(s.scale_log2())
+            .ptr(a.out)
+            .ptr(split.o_part)
+            .ptr(split.lse_part)
+            .ptr(split.done)
+            .u32(split.splits as u32);
+        let grid = (
+            split.splits as u32,
+            s.decode_blocks_per_row() as u32,
+            rows as u32,
+        );
+        self.device
+            .launch(&self.decode_attention, grid, ATTENTION_THREADS, &args)
+    }
+
+    /// Causal attention over `items` work items (see [`AttnShape::prefill_tile_tokens`]).
+    pub fn prefill_attention(&self, a: &Attention, items: usize) -> Result<()> {
+        let s = &a.shape;
+        let args = Args::new()
+            .ptr(a.qkv)
+            .u32(s.qkv_width() as u32)
+            .ptr(a.k_cache)
+            .ptr(a.v_cache)
+            .ptr(a.rows.page_table)
+            .u32(a.rows.table_stride as u32)
+            .ptr(a.rows.start_token)
+            .ptr(a.rows.start_pos)
+            .ptr(a.rows.len)
+            .ptr(a.rows.items)
+            .u32(s.heads as u32)
+            .u32(s.kv_heads as u32)
+            .u32(s.page_tokens as u32)
+            .u32(s.window as u32)
+            .f32(s.scale_log2())
+            .ptr(a.out);
+        let grid = (
+            items as u32,
+            (s.kv_heads * s.group().div_ceil(MAX_GROUP)) as u32,
+            1,
+        );
+        self.device
+            .launch(&self.prefill_attention, grid, ATTENTION_THREADS, &args)
+    }
+
+    /// Picks a token for each of `rows` rows of `vocab` logits (overwritten), with the
+    /// parameters at `params` (`SAMPLE_PARAM_WORDS` words a row).
+    pub fn sample_rows(
+        &self,
+        logits: DPtr<f32>,
+        vocab: usize,
+        params: DPtr<u32>,
+        tokens: DPtr<u32>,
+        rows: usize,
+    ) -> Result<()> {
+        let args = Args::new()
+            .ptr(logits)
+            .u32(vocab as u32)
+            .ptr(params)
+            .ptr(tokens);
+        self.device.launch(
+            &self.sample_rows,
+            (rows as u32, 1, 1),
+            SAMPLE_THREADS,
+            &args,
+        )
+    }
+
+    /// Copies pool pages into snapshot pages (`gather`) or back (`!gather`).
+    pub fn copy_pages(&self, a: &PageCopies, gather: bool) -> Result<()> {
+        let (func, from, to) = if gather {
+            (&self.gather_pages, a.pool, a.snapshot)
+        } else {
+            (&self.scatter_pages, a.snapshot, a.pool)
+        };
+        let args = Args::new()
+            .ptr(from)
+            .ptr(to)
+            .ptr(a.copies)
+            .u32(a.pages_total as u32)
+            .u32((a.page_bytes / 16) as u32)
+            .u32(a.layers as u32);
+        let grid = (a.count as u32, 2 * a.layers as u32, 1);
+        self.device.launch(func, grid, THREADS, &args)
+    }
+
+    /// Spreads a step's metadata blob into its typed buffers.
+    pub fn unpack_step(&self, blob: DPtr<u32>, to: &MetaBuffers) -> Result<()> {
+        let args = Args::new()
+            .ptr(blob)
+            .ptr(to.token_ids)
+            .ptr(to.positions)
+            .ptr(to.slots)
+            .ptr(to.logit_rows)
+            .ptr(to.rows.start_token)
+            .ptr(to.rows.start_pos)
+            .ptr(to.rows.len)
+            .ptr(to.rows.page_table)
+            .u32(to.rows.table_stride as u32)
+            .ptr(to.rows.items)
+            .ptr(to.sample_params);
+        let blocks = self.device.multiprocessors;
+        self.device
+            .launch(&self.unpack_step, (blocks, 1, 1), THREADS, &args)
+    }
+
+    /// Fills `n` bf16 values with uniform draws in `[lo, hi)`, a pure function of `seed`.
+    pub fn fill_uniform(
+        &self,
+        out: DPtr<bf16>,
+        n: usize,
+        seed: u64,
+        range: (f32, f32),
+    ) -> Result<()> {
+        let args = Args::new()
+            .ptr(out)
+            .u64(n as u64)
+            .u64(seed)
+            .f32(range.0)
+            .f32(range.1);
+        let blocks = self.elementwise_blocks(n);
+        self.device
+            .launch(&self.fill_uniform_bf16, (blocks, 1, 1), THREADS, &args)
+    }
+}
+
+/// Arguments of [`Kernels::embed`].
+pub struct Embed {
+    pub table: DPtr<bf16>,
+    pub token_ids: DPtr<u32>,
+    pub residual: DPtr<f32>,
+    pub tokens: usize,
+    pub hidden: usize,
+}
+
+/// Arguments of [`Kernels::add_rms_norm`]; `delta` and `out_rows` may be [`DPtr::NULL`].
+pub struct AddRmsNorm {
+    pub residual: DPtr<f32>,
+    pub delta: DPtr<bf16>,
+    pub weight: DPtr<bf16>,
+    pub out: DPtr<bf16>,
+    pub out_rows: DPtr<u32>,
+    pub tokens: usize,
+    pub hidden: usize,
+    pub eps: f32,
+}
+
+/// The attention geometry of a model and its KV pages.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub page_tokens: usize,
+    /// Sliding window in positions; 0 for none.
+    pub window: usize,
+}
+
+impl AttnShape {
+    /// Width of a row of the fused q/k/v projection.
+    pub fn qkv_width(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+
+    fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+
+    /// Query tokens of one prefill attention work item.
+    pub fn prefill_tile_tokens(&self) -> usize {
+        PREFILL_ROWS / self.group().min(MAX_GROUP)
+    }
+
+    /// Decode attention blocks per row and split: one per KV head and group of query heads.
+    pub fn decode_blocks_per_row(&self) -> usize {
+        self.kv_heads * self.group().div_ceil(DECODE_GROUP)
+    }
+
+    /// Softmax scale in log2 units: the kernels use `exp2`.
+    fn scale_log2(&self) -> f32 {
+        std::f32::consts::LOG2_E / (self.head_dim as f32).sqrt()
+    }
+}
+
+/// Arguments of [`Kernels::rope_kv_append`]; `bias` may be [`DPtr::NULL`].
+pub struct RopeKv {
+    pub qkv: DPtr<bf16>,
+    pub bias: DPtr<bf16>,
+    pub inv_freq: DPtr<f32>,
+    pub positions: DPtr<u32>,
+    pub slots: DPtr<u32>,
+    pub k_cache: DPtr<bf16>,
+    pub v_cache: DPtr<bf16>,
+    pub shape: AttnShape,
+    pub tokens: usize,
+}
+
+/// The per-row metadata the attention kernels read.
+#[derive(Debug, Clone, Copy)]
+pub struct RowBuffers {
+    pub start_token: DPtr<u32>,
+    pub start_pos: DPtr<u32>,
+    pub len: DPtr<u32>,
+    /// `[rows][table_stride]` page ids.
+    pub page_table: DPtr<u32>,
+    pub table_stride: usize,
+    /// Prefill work items: (row, first token within the row) pairs.
+    pub items: DPtr<u32>,
+}
+
+/// Every typed buffer a step's metadata is spread into.
+#[derive(Debug, Clone, Copy)]
+pub struct MetaBuffers {
+    pub token_ids: DPtr<u32>,
+    pub positions: DPtr<u32>,
+    pub slots: DPtr<u32>,
+    pub logit_rows: DPtr<u32>,
+    pub rows: RowBuffers,
+    pub sample_params: DPtr<u32>,
+}
+
+/// Arguments of [`Kernels::decode_attention`]; `bias` may be [`DPtr::NULL`].
+pub struct DecodeAttention {
+    /// The new tokens' q/k/v projections, before bias and rotation.
+    pub qkv: DPtr<bf16>,
+    pub bias: DPtr<bf16>,
+    pub inv_freq: DPtr<f32>,
+    pub k_cache: DPtr<bf16>,
+    pub v_cache: DPtr<bf16>,
+    pub rows: RowBuffers,
+    pub shape: AttnShape,
+    pub out: DPtr<bf16>,
+}
+
+/// Arguments of [`Kernels::prefill_attention`].
+pub struct Attention {
+    pub qkv: DPtr<bf16>,
+    pub k_cache: DPtr<bf16>,
+    pub v_cache: DPtr<bf16>,
+    pub rows: RowBuffers,
+    pub shape: AttnShape,
+    pub out: DPtr<bf16>,
+}
+
+/// How decode attention splits each row's positions, and where partial results go.
+pub struct Splits {
+    pub splits: usize,
+    /// `[rows][heads][splits][head_dim]` normalized partial outputs.
+    pub o_part: DPtr<f32>,
+    /// `[rows][heads][splits]` log2-sum-exp of each split.
+    pub lse_part: DPtr<f32>,
+    /// `[rows][decode blocks per row]` counters of finished splits, zero between launches.
+    pub done: DPtr<u32>,
+}
+
+/// Arguments of [`Kernels::copy_pages`].
+pub struct PageCopies {
+    pub pool: DPtr<u8>,
+    pub snapshot: DPtr<u8>,
+    /// `count` (snapshot page, pool page) pairs.
+    pub copies: DPtr<u32>,
+    pub count: usize,
+    pub pages_total: usize,
+    /// Bytes of one page of one layer's K (or V).
+    pub page_bytes: usize,
+    pub layers: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    /// Runs where NVRTC is installed, GPU or not: a syntax check of every kernel. With
+    /// `PTX_OUT=FILE` the PTX is written there, for `ptxas -v` to report registers and spills.
+    #[test]
+    #[ignore = "needs NVRTC (libnvrtc on the library path)"]
+    fn kernels_compile_for_hopper() {
+        let ptx = super::compile("sm_90").unwrap();
+        if let Some(path) = std::env::var_os("PTX_OUT") {
+            std::fs::write(path, ptx.to_src()).unwrap();
+        }
+    }
+}

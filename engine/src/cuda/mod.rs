@@ -1,0 +1,571 @@
+//! The CUDA backend: the model in bf16 on an NVIDIA GPU, behind the same step interface as the
+//! CPU backend.
+//!
+//! cudarc loads the CUDA libraries at run time, so this module is always compiled and a machine
+//! without them fails only when the backend is asked for, with [`EngineError::CudaUnavailable`].
+//! Weights are bf16 (q/k/v and gate/up fused); matrix products go through cuBLAS with fp32
+//! accumulation, the vocabulary projection writing f32 logits; everything else is our own
+//! kernels (`kernels/*.cu`, see [`kernels`]). The KV pool holds bf16 pages in the CPU backend's
+//! page geometry. A step's metadata travels in one copy ([`step_meta`]); decode steps replay
+//! CUDA graphs captured per batch-size bucket ([`graphs`]), other steps run eagerly. All work is
+//! ordered on one stream; a step waits only for its own results.
+//!
+//! - [`device`]: context, stream, allocations and launches.
+//! - [`kernels`]: the typed kernel registry.
+//! - [`gemm`]: cuBLAS products.
+//! - [`weights`]: the weights' layout and loading (checkpoint or seeded random).
+//! - [`memory`]: the memory plan made before allocating.
+//! - [`pool`]: the KV pool's bytes.
+//! - [`step_meta`]: one step's metadata, packed and spread.
+//! - [`forward`]: the forward pass and its workspaces.
+//! - [`graphs`]: decode graphs.
+//! - [`sample`]: sampling on the device.
+//! - [`snapshots`]: snapshot buffers and page copies.
+
+pub mod device;
+pub mod forward;
+pub mod gemm;
+pub mod graphs;
+pub mod kernels;
+pub mod memory;
+pub mod pool;
+pub mod sample;
+pub mod snapshots;
+pub mod step_meta;
+pub mod weights;
+
+#[cfg(test)]
+mod kernel_tests;
+
+use std::sync::Arc;
+
+use cache::{BackingId, KvGeometry, PageCopy, Tier};
+pub use policy::PoolSize;
+use policy::{AdmissionPolicy, CachePolicy, EngineConfig, SnapshotPolicy};
+
+use crate::backend::{Backend, BackendInfo, MemoryReport, StepOutput, StepPlan};
+use crate::error::{EngineError, Result};
+use crate::model::{ModelConfig, ModelFiles, Weights};
+use crate::sampling::Sampler;
+use device::Device;
+use forward::{AttentionMode, Forward, Workspace, WorkspaceSizes};
+use gemm::Gemm;
+use graphs::DecodeGraphs;
+use kernels::{AttnShape, Kernels};
+use memory::{MemoryPlan, PlanInputs};
+use pool::KvPool;
+use snapshots::{Backings, PoolPages};
+use step_meta::{LogitSelection, MetaCapacity, PackRequest, StepLayout, StepMeta};
+use weights::{GpuWeights, WeightLayout};
+
+/// How to size and run the CUDA backend.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CudaOptions {
+    pub device: usize,
+    /// Share of the device's memory the backend may hold in all.
+    pub gpu_memory_fraction: f64,
+    pub cuda_graphs: bool,
+    pub page_tokens: usize,
+    pub pool: PoolSize,
+    /// Device memory kept free for the device snapshot tier.
+    pub device_snapshot_bytes: u64,
+    /// The most tokens one step may hold.
+    pub max_step_tokens: usize,
+    /// The most rows (sequences) one step may hold.
+    pub max_rows: usize,
+    /// Steps of at most this many tokens (up to [`kernels::GEMV_MAX_TOKENS`]; 0 for none) run
+    /// their projections through our gemv kernel instead of cuBLAS.
+    pub gemv_max_tokens: usize,
+}
+
+impl CudaOptions {
+    /// The options a server configuration asks for.
+    pub fn from_policies(
+        engine: &EngineConfig,
+        cache: &CachePolicy,
+        snapshots: &SnapshotPolicy,
+        admission: &AdmissionPolicy,
+    ) -> Self {
+        CudaOptions {
+            device: engine.device,
+            gpu_memory_fraction: engine.gpu_memory_fraction,
+            cuda_graphs: engine.cuda_graphs,
+            page_tokens: cache.page_tokens(),
+            pool: cache.pool(),
+            device_snapshot_bytes: snapshots.device_budget_bytes(),
+            max_step_tokens: admission.step_token_budget(),
+            max_rows: admission.max_running(),
+            gemv_max_tokens: kernels::GEMV_MAX_TOKENS,
+        }
+    }
+
+    /// Options for `tokens` pool positions and steps of up to `max_step_tokens` tokens and
+    /// `max_rows` rows (benchmarks and tests).
+    pub fn for_tokens(tokens: usize, max_step_tokens: usize, max_rows: usize) -> Self {
+        CudaOptions {
+            device: 0,
+            gpu_memory_fraction: 0.9,
+            cuda_graphs: true,
+            page_tokens: 16,
+            pool: PoolSize::Tokens(tokens as u64),
+            device_snapshot_bytes: 0,
+            max_step_tokens,
+            max_rows,
+            gemv_max_tokens: kernels::GEMV_MAX_TOKENS,
+        }
+    }
+}
+
+/// Where the weights come from.
+enum WeightSource<'a> {
+    Checkpoint(&'a Weights),
+    Random { seed: u64 },
+}
+
+pub struct CudaBackend {
+    config: ModelConfig,
+    gemv_max_tokens: usize,
+    info: BackendInfo,
+    plan: MemoryPlan,
+    graphs: Option<DecodeGraphs>,
+    backings: Backings,
+    meta: StepMeta,
+    ws: Workspace,
+    pool: KvPool,
+    weights: GpuWeights,
+    gemm: Gemm,
+    kernels: Kernels,
+    device: Arc<Device>,
+}
+
+impl CudaBackend {
+    /// Loads `model`'s weights onto the GPU.
+    pub fn load(model: &ModelFiles, options: &CudaOptions) -> Result<Self> {
+        let weights = Weights::open(&model.dir)?;
+        Self::from_weights(model.config.clone(), &weights, options)
+    }
+
+    /// A model of `config` with the checkpoint's weights.
+    pub fn from_weights(
+        config: ModelConfig,
+        weights: &Weights,
+        options: &CudaOptions,
+    ) -> Result<Self> {
+        Self::build(config, options, WeightSource::Checkpoint(weights))
+    }
+
+    /// A model of `config`'s shape with weights drawn on the GPU from `seed`.
+    pub fn random(config: ModelConfig, seed: u64, options: &CudaOptions) -> Result<Self> {
+        Self::build(config, options, WeightSource::Random { seed })
+    }
+
+    fn build(config: ModelConfig, options: &CudaOptions, source: WeightSource) -> Result<Self> {
+        check_options(options)?;
+        if !config.hidden_size.is_multiple_of(8) {
+            return Err(EngineError::CudaUnavailable(format!(
+                "hidden_size {} is not a multiple of 8, which the CUDA kernels read 8 at a time",
+                config.hidden_size
+            )));
+        }
+        let device = Device::open(options.device)?;
+        let kernels = Kernels::load(&device, config.head_dim)?;
+        let geometry = KvGeometry {
+            layers: config.num_layers,
+            kv_heads: config.num_kv_heads,
+            head_dim: config.head_dim,
+            page_tokens: options.page_tokens,
+            dtype_bytes: 2,
+        };
+        let (capacity, sizes) = step_sizes(&config, options);
+        let plan = MemoryPlan::new(&PlanInputs {
+            device_name: device.name.clone(),
+            total_bytes: device.total_bytes,
+            free_bytes: device.free_bytes()?,
+            gpu_memory_fraction: options.gpu_memory_fraction,
+            weights_bytes: WeightLayout::new(&config).bytes() as u64,
+            workspace_bytes: (sizes.bytes(&config) + capacity.bytes()) as u64,
+            snapshot_bytes: options.device_snapshot_bytes,
+            pool: options.pool,
+            page_bytes: geometry.page_bytes() as u64,
+            page_tokens: options.page_tokens,
+            min_pages: geometry.pages_for(options.max_step_tokens),
+        })?;
+        let weights = match source {
+            WeightSource::Checkpoint(w) => GpuWeights::load(&device, &config, w)?,
+            WeightSource::Random { seed } => GpuWeights::random(&device, &kernels, &config, seed)?,
+        };
+        let pool = KvPool::new(&device, geometry, plan.pool_pages)?;
+        let info = BackendInfo {
+            name: "cuda",
+            geometry,
+            num_pages: plan.pool_pages,
+            vocab_size: config.vocab_size,
+            max_positions: config.max_position_embeddings,
+        };
+        Ok(CudaBackend {
+            meta: StepMeta::new(&device, capacity, options.page_tokens, pool.spare_page())?,
+            ws: Workspace::new(&device, &config, sizes)?,
+            gemm: Gemm::new(&device)?,
+            graphs: options.cuda_graphs.then(DecodeGraphs::default),
+            backings: Backings::new(&device),
+            pool,
+            weights,
+            kernels,
+            device,
+            gemv_max_tokens: options.gemv_max_tokens.min(kernels::GEMV_MAX_TOKENS),
+            config,
+            info,
+            plan,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// What the backend holds on the device, as planned at start-up.
+    pub fn memory_plan(&self) -> &MemoryPlan {
+        &self.plan
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// A snapshot buffer's bytes, after the work queued before this call (checksums, tests).
+    pub fn read_backing(&mut self, backing: BackingId) -> Result<Vec<u8>> {
+        self.device.bind()?;
+        self.backings.read(backing)
+    }
+
+    fn attn_shape(&self) -> AttnShape {
+        AttnShape {
+            heads: self.config.num_heads,
+            kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+            page_tokens: self.info.geometry.page_tokens,
+            window: self.config.sliding_window.unwrap_or(0),
+        }
+    }
+
+    fn forward(&self) -> Forward<'_> {
+        Forward {
+            config: &self.config,
+            weights: &self.weights,
+            kernels: &self.kernels,
+            gemm: &self.gemm,
+            ws: &self.ws,
+            meta: self.meta.buffers(),
+            pool: &self.pool,
+            page_tokens: self.info.geometry.page_tokens,
+            gemv_max_tokens: self.gemv_max_tokens,
+        }
+    }
+
+    /// Runs a step's layers. Returns how it was packed and whether the logits of its packed rows
+    /// are already projected (a replayed graph does that too).
+    fn execute(
+        &mut self,
+        plan: &StepPlan,
+        select: LogitSelection,
+        sample_params: &[u32],
+    ) -> Result<(StepLayout, bool)> {
+        let decode = plan.rows.iter().all(|r| r.tokens.len() == 1);
+        let max_rows = self.ws.sizes.rows.min(self.ws.sizes.logit_rows);
+        let bucket =
+            graphs::bucket(plan.rows.len(), max_rows).filter(|_| decode && self.graphs.is_some());
+        if let Some(bucket) = bucket {
+            return self.replay_decode(plan, bucket, sample_params);
+        }
+        let item_tokens = if decode {
+            0
+        } else {
+            self.attn_shape().prefill_tile_tokens()
+        };
+        let layout = self.meta.load(
+            &self.kernels,
+            &PackRequest {
+                plan,
+                select,
+                pad_rows_to: 0,
+                item_tokens,
+                sample_params,
+            },
+        )?;
+        let mode = if decode {
+            let splits =
+                forward::decode_splits(&self.device, layout.rows, self.config.num_kv_heads);
+            AttentionMode::Decode {
+                rows: layout.rows,
+                splits,
+            }
+        } else {
+            AttentionMode::Prefill {
+                items: layout.items,
+            }
+        };
+        self.forward().run(layout.tokens, mode)?;
+        Ok((layout, false))
+    }
+
+    /// A decode step through the graph of `bucket` rows: layers and logits of every row.
+    fn replay_decode(
+        &mut self,
+        plan: &StepPlan,
+        bucket: usize,
+        sample_params: &[u32],
+    ) -> Result<(StepLayout, bool)> {
+        let layout = self.meta.load(
+            &self.kernels,
+            &PackRequest {
+                plan,
+                select: LogitSelection::LastOfEachRow,
+                pad_rows_to: bucket,
+                item_tokens: 0,
+                sample_params,
+            },
+        )?;
+        let splits = forward::decode_splits(&self.device, bucket, self.config.num_kv_heads);
+        // Field by field, so that the graphs can be borrowed mutably beside it.
+        let forward = Forward {
+            config: &self.config,
+            weights: &self.weights,
+            kernels: &self.kernels,
+            gemm: &self.gemm,
+            ws: &self.ws,
+            meta: self.meta.buffers(),
+            pool: &self.pool,
+            page_tokens: self.info.geometry.page_tokens,
+            gemv_max_tokens: self.gemv_max_tokens,
+        };
+        let graphs = self.graphs.as_mut().expect("only called with graphs on");
+        graphs.replay(&self.device, bucket, || {
+            forward.run(
+                bucket,
+                AttentionMode::Decode {
+                    rows: bucket,
+                    splits,
+                },
+            )?;
+            forward.logits(0, bucket)
+        })?;
+        Ok((layout, true))
+    }
+
+    /// Downloads logit rows `first..first + rows` (projecting them first unless `projected`).
+    fn download_logits(
+        &self,
+        first: usize,
+        rows: usize,
+        projected: bool,
+        out: &mut [f32],
+    ) -> Result<()> {
+        if !projected {
+            self.forward().logits(first, rows)?;
+        }
+        let vocab = self.config.vocab_size;
+        self.device
+            .download(self.ws.logits, &mut out[..rows * vocab])
+    }
+
+    fn step_logits(&mut self, plan: &StepPlan) -> Result<StepOutput> {
+        let (layout, projected) = self.execute(plan, LogitSelection::Wanted, &[])?;
+        let vocab = self.config.vocab_size;
+        let mut row_ranges = Vec::with_capacity(plan.rows.len());
+        let mut next = 0;
+        for row in &plan.rows {
+            row_ranges.push(next..next + row.logit_rows());
+            next += row.logit_rows();
+        }
+        let mut logits = vec![0f32; next * vocab];
+        if projected {
+            // A graph projected the last token of every row: keep the rows that asked.
+            let mut all = vec![0f32; plan.rows.len() * vocab];
+            self.download_logits(0, plan.rows.len(), true, &mut all)?;
+            for (r, range) in row_ranges.iter().enumerate() {
+                if !range.is_empty() {
+                    logits[range.start * vocab..range.end * vocab]
+                        .copy_from_slice(&all[r * vocab..(r + 1) * vocab]);
+                }
+            }
+        } else {
+            let chunk = self.ws.sizes.logit_rows;
+            for first in (0..layout.logit_rows).step_by(chunk) {
+                let rows = chunk.min(layout.logit_rows - first);
+                self.download_logits(first, rows, false, &mut logits[first * vocab..])?;
+            }
+        }
+        self.device.synchronize()?;
+        Ok(StepOutput {
+            vocab_size: vocab,
+            logits,
+            row_ranges,
+        })
+    }
+
+    /// Gathers pool pages into a backing (`save`) or scatters it back.
+    fn copy_pages(&mut self, backing: BackingId, copies: &[PageCopy], save: bool) -> Result<()> {
+        self.device.bind()?;
+        let pool = PoolPages {
+            pool: &self.pool,
+            pages: self.info.num_pages,
+            page_bytes: self.info.geometry.page_bytes(),
+            layers: self.config.num_layers,
+        };
+        self.backings
+            .copy_pages(&self.kernels, &pool, backing, copies, save)
+    }
+}
+
+fn check_options(o: &CudaOptions) -> Result<()> {
+    if o.page_tokens == 0 || o.max_step_tokens == 0 || o.max_rows == 0 {
+        return Err(EngineError::InvalidStep(format!(
+            "CUDA backend options must be positive: {o:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// The step capacity and workspace sizes `options` ask for.
+fn step_sizes(config: &ModelConfig, options: &CudaOptions) -> (MetaCapacity, WorkspaceSizes) {
+    let rows = options.max_rows.min(options.max_step_tokens);
+    let capacity = MetaCapacity {
+        tokens: options
+            .max_step_tokens
+            .max(graphs::bucket(rows, usize::MAX).unwrap_or(rows)),
+        rows: graphs::bucket(rows, usize::MAX).unwrap_or(rows),
+        table_stride: config.max_position_embeddings.div_ceil(options.page_tokens),
+    };
+    let sizes = WorkspaceSizes {
+        tokens: capacity.tokens,
+        rows: capacity.rows,
+        // Logits of every row at once (sampling, decode graphs); longer requests are chunked.
+        logit_rows: capacity.rows.max(256).min(capacity.tokens),
+    };
+    (capacity, sizes)
+}
+
+impl Backend for CudaBackend {
+    fn info(&self) -> &BackendInfo {
+        &self.info
+    }
+
+    fn step(&mut self, plan: &StepPlan) -> Result<StepOutput> {
+        self.device.bind()?;
+        plan.validate(&self.info)?;
+        if plan.rows.is_empty() {
+            return Ok(StepOutput {
+                vocab_size: self.config.vocab_size,
+                ..StepOutput::default()
+            });
+        }
+        self.step_logits(plan)
+    }
+
+    fn step_and_sample(
+        &mut self,
+        plan: &StepPlan,
+        samplers: &mut [Option<&mut Sampler>],
+    ) -> Result<Vec<Option<u32>>> {
+        assert_eq!(plan.rows.len(), samplers.len(), "one sampler slot per row");
+        self.device.bind()?;
+        plan.validate(&self.info)?;
+        if plan.rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.sample_step(plan, samplers)
+    }
+
+    fn alloc_backing(&mut self, backing: BackingId, tier: Tier, bytes: u64) -> Result<()> {
+        self.device.bind()?;
+        self.backings.alloc(backing, tier, bytes)
+    }
+
+    fn free_backing(&mut self, backing: BackingId) -> Result<()> {
+        self.device.bind()?;
+        self.backings.free(backing)
+    }
+
+    fn save_pages(&mut self, backing: BackingId, copies: &[PageCopy]) -> Result<()> {
+        self.copy_pages(backing, copies, true)
+    }
+
+    fn restore_pages(&mut self, backing: BackingId, copies: &[PageCopy]) -> Result<()> {
+        self.copy_pages(backing, copies, false)
+    }
+
+    fn copy_backing(&mut self, from: BackingId, to: BackingId) -> Result<()> {
+        self.device.bind()?;
+        self.backings.copy_whole(from, to)
+    }
+
+    fn memory(&self) -> MemoryReport {
+        MemoryReport {
+            weights_bytes: self.weights.bytes(),
+            pool_bytes: self.pool.bytes(),
+            device_snapshot_bytes: self.backings.tier_bytes(Tier::Device),
+            host_snapshot_bytes: self.backings.tier_bytes(Tier::Host),
+            backings: self.backings.count(),
+        }
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Buffers are freed next: nothing queued may still use them.
+        self.device.wait_idle();
+    }
+}
+
+impl CudaBackend {
+    /// One step whose rows' next tokens are picked on the device where their samplers allow,
+    /// from the downloaded logits where they do not.
+    fn sample_step(
+        &mut self,
+        plan: &StepPlan,
+        samplers: &mut [Option<&mut Sampler>],
+    ) -> Result<Vec<Option<u32>>> {
+        let mut params = Vec::with_capacity(samplers.len() * kernels::SAMPLE_PARAM_WORDS);
+        for (row, sampler) in plan.rows.iter().zip(samplers.iter_mut()) {
+            if sampler.is_some() && row.logits == crate::backend::LogitsWanted::None {
+                return Err(EngineError::InvalidStep(
+                    "a row has a sampler but asks for no logits".into(),
+                ));
+            }
+            match sampler {
+                Some(s) if sample::on_device(s.params()) => sample::push_params(s, &mut params),
+                _ => sample::push_greedy(&mut params),
+            }
+        }
+        let rows = plan.rows.len();
+        let (_, projected) = self.execute(plan, LogitSelection::LastOfEachRow, &params)?;
+        if !projected {
+            self.forward().logits(0, rows)?;
+        }
+        let mut host_logits = vec![0f32; self.config.vocab_size];
+        let mut host_picks = Vec::new();
+        for (r, sampler) in samplers.iter_mut().enumerate() {
+            if let Some(s) = sampler.as_mut().filter(|s| !sample::on_device(s.params())) {
+                let vocab = self.config.vocab_size;
+                self.device
+                    .download(self.ws.logits.offset(r * vocab), &mut host_logits)?;
+                host_picks.push((r, s.sample(&mut host_logits)));
+            }
+        }
+        self.kernels.sample_rows(
+            self.ws.logits,
+            self.config.vocab_size,
+            self.meta.buffers().sample_params,
+            self.ws.sampled,
+            rows,
+        )?;
+        let mut picked = vec![0u32; rows];
+        self.device.download(self.ws.sampled, &mut picked)?;
+        host_picks.into_iter().for_each(|(r, t)| picked[r] = t);
+        Ok(samplers
+            .iter()
+            .zip(picked)
+            .map(|(s, token)| s.as_ref().map(|_| token))
+            .collect())
+    }
+}

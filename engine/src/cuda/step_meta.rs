@@ -1,0 +1,343 @@
+//! A step's metadata: packed on the host into one blob, copied to the device in one transfer,
+//! and spread by one kernel into the typed buffers every other launch reads.
+//!
+//! Those buffers sit at fixed addresses for the backend's life, which is what lets a captured
+//! CUDA graph replay with new metadata. The blob's layout is the one `kernels/step_meta.cu`
+//! documents. Rows may be padded to a graph's batch size: a padding row holds one token at
+//! position 0 whose K and V go to the pool's spare page, which no sequence owns.
+
+use std::sync::Arc;
+
+use cache::PageId;
+
+use super::device::{Device, DeviceBuffer, PinnedBuffer};
+use super::kernels::{
+    Kernels, MetaBuffers, NO_ROW, RowBuffers, SAMPLE_PARAM_WORDS, STEP_HEADER_WORDS,
+};
+use crate::backend::{LogitsWanted, StepPlan};
+use crate::error::{EngineError, Result};
+
+/// The most a step may hold.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MetaCapacity {
+    pub tokens: usize,
+    pub rows: usize,
+    /// Pages one row's table may name.
+    pub table_stride: usize,
+}
+
+impl MetaCapacity {
+    /// Prefill work items: at most one per token, plus one partial item per row.
+    fn items(&self) -> usize {
+        self.tokens + self.rows
+    }
+
+    fn blob_words(&self) -> usize {
+        STEP_HEADER_WORDS
+            + 4 * self.tokens
+            + (5 + self.table_stride + SAMPLE_PARAM_WORDS) * self.rows
+            + 2 * self.items()
+    }
+
+    fn typed_words(&self) -> usize {
+        4 * self.tokens
+            + (3 + self.table_stride + SAMPLE_PARAM_WORDS) * self.rows
+            + 2 * self.items()
+    }
+
+    /// Device bytes the metadata takes.
+    pub fn bytes(&self) -> usize {
+        4 * (self.blob_words() + self.typed_words())
+    }
+}
+
+/// Which tokens' logits a step computes, and in which logit row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitSelection {
+    /// As each row asks ([`LogitsWanted`]), packed in plan order.
+    Wanted,
+    /// The last token of every row (padding rows too), logit row = row index: sampling, and
+    /// decode graphs, whose launches are fixed.
+    LastOfEachRow,
+}
+
+/// How a step was packed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepLayout {
+    pub tokens: usize,
+    /// Rows, padding included.
+    pub rows: usize,
+    pub items: usize,
+    pub logit_rows: usize,
+}
+
+/// What [`StepMeta::load`] packs besides the plan.
+pub struct PackRequest<'a> {
+    pub plan: &'a StepPlan,
+    pub select: LogitSelection,
+    /// Pad the plan with rows up to this many.
+    pub pad_rows_to: usize,
+    /// Query tokens per prefill work item; 0 for a step that needs none.
+    pub item_tokens: usize,
+    /// Sampling parameters of rows `0..`, `SAMPLE_PARAM_WORDS` words each.
+    pub sample_params: &'a [u32],
+}
+
+pub struct StepMeta {
+    staging: PinnedBuffer,
+    blob: DeviceBuffer,
+    _typed: DeviceBuffer,
+    buffers: MetaBuffers,
+    capacity: MetaCapacity,
+    page_tokens: usize,
+    spare_page: PageId,
+    device: Arc<Device>,
+}
+
+impl StepMeta {
+    pub fn new(
+        device: &Arc<Device>,
+        capacity: MetaCapacity,
+        page_tokens: usize,
+        spare_page: PageId,
+    ) -> Result<Self> {
+        let staging = PinnedBuffer::alloc(device, capacity.blob_words() * 4, "step metadata")?;
+        let blob = DeviceBuffer::alloc(device, capacity.blob_words() * 4, "step metadata")?;
+        let typed = DeviceBuffer::alloc(device, capacity.typed_words() * 4, "step metadata")?;
+        let mut next = typed.ptr::<u32>();
+        let mut take = |words: usize| {
+            let at = next;
+            next = next.offset(words);
+            at
+        };
+        let (t, r) = (capacity.tokens, capacity.rows);
+        let buffers = MetaBuffers {
+            token_ids: take(t),
+            positions: take(t),
+            slots: take(t),
+            logit_rows: take(t),
+            rows: RowBuffers {
+                start_token: take(r),
+                start_pos: take(r),
+                len: take(r),
+                page_table: take(r * capacity.table_stride),
+                table_stride: capacity.table_stride,
+                items: take(2 * capacity.items()),
+            },
+            sample_params: take(SAMPLE_PARAM_WORDS * r),
+        };
+        Ok(StepMeta {
+            staging,
+            blob,
+            _typed: typed,
+            buffers,
+            capacity,
+            page_tokens,
+            spare_page,
+            device: device.clone(),
+        })
+    }
+
+    pub fn buffers(&self) -> &MetaBuffers {
+        &self.buffers
+    }
+
+    pub fn capacity(&self) -> &MetaCapacity {
+        &self.capacity
+    }
+
+    /// Checks that a plan fits the buffers (the backend's own limits, beyond the model's).
+    pub fn check(&self, plan: &StepPlan, pad_rows_to: usize) -> Result<()> {
+        let c = &self.capacity;
+        let tokens = plan.total_tokens() + pad_rows_to.saturating_sub(plan.rows.len());
+        let fail = |what: String| Err(EngineError::InvalidStep(what));
+        if tokens > c.tokens {
+            return fail(format!(
+                "{tokens} tokens exceed the step capacity of {}",
+                c.tokens
+            ));
+        }
+        if plan.rows.len().max(pad_rows_to) > c.rows {
+            return fail(format!(
+                "{} rows exceed the step capacity of {}",
+                plan.rows.len(),
+                c.rows
+            ));
+        }
+        let pt = self.page_tokens;
+        if let Some(row) = plan
+            .rows
+            .iter()
+            .find(|r| r.end_pos().div_ceil(pt) > c.table_stride)
+        {
+            return fail(format!(
+                "a row reaches position {}, beyond the {} pages a row may hold",
+                row.end_pos(),
+                c.table_stride
+            ));
+        }
+        Ok(())
+    }
+
+    /// Packs the step, copies it to the device and spreads it into the typed buffers. The
+    /// staging blob is free to overwrite: every step ends by waiting for its results.
+    pub fn load(&mut self, kernels: &Kernels, request: &PackRequest) -> Result<StepLayout> {
+        self.check(request.plan, request.pad_rows_to)?;
+        let (page_tokens, spare) = (self.page_tokens, self.spare_page);
+        let words = self.staging.as_mut_slice::<u32>();
+        let (layout, len) = Packer {
+            words,
+            len: 0,
+            page_tokens,
+            spare,
+        }
+        .pack(request);
+        let blob = self.blob.ptr::<u32>();
+        self.device
+            .upload(&self.staging.as_mut_slice::<u32>()[..len], blob)?;
+        kernels.unpack_step(blob, &self.buffers)?;
+        Ok(layout)
+    }
+}
+
+/// Writes the blob's words in order.
+struct Packer<'a> {
+    words: &'a mut [u32],
+    len: usize,
+    page_tokens: usize,
+    spare: PageId,
+}
+
+/// One row as packed: real or padding.
+struct PackedRow<'a> {
+    tokens: &'a [u32],
+    start_pos: usize,
+    pages: &'a [PageId],
+    logits: LogitsWanted,
+}
+
+impl Packer<'_> {
+    fn push(&mut self, word: u32) {
+        self.words[self.len] = word;
+        self.len += 1;
+    }
+
+    fn pack(mut self, request: &PackRequest) -> (StepLayout, usize) {
+        let pad_tokens = [0u32];
+        let spare = [self.spare];
+        let mut rows: Vec<PackedRow> = request
+            .plan
+            .rows
+            .iter()
+            .map(|r| PackedRow {
+                tokens: &r.tokens,
+                start_pos: r.start_pos,
+                pages: &r.pages[..r.end_pos().div_ceil(self.page_tokens)],
+                logits: r.logits,
+            })
+            .collect();
+        while rows.len() < request.pad_rows_to {
+            rows.push(PackedRow {
+                tokens: &pad_tokens,
+                start_pos: 0,
+                pages: &spare,
+                logits: LogitsWanted::None,
+            });
+        }
+        let items = items(&rows, request.item_tokens);
+        let tokens: usize = rows.iter().map(|r| r.tokens.len()).sum();
+        let entries: usize = rows.iter().map(|r| r.pages.len()).sum();
+        let sampled = request.sample_params.len() / SAMPLE_PARAM_WORDS;
+        for word in [tokens, rows.len(), items.len(), entries, sampled] {
+            self.push(word as u32);
+        }
+        while self.len < STEP_HEADER_WORDS {
+            self.push(0);
+        }
+        let logit_rows = self.push_tokens(&rows, request.select);
+        self.push_rows(&rows);
+        for row in &rows {
+            row.pages.iter().for_each(|p| self.push(p.0));
+        }
+        for (row, first) in &items {
+            self.push(*row);
+            self.push(*first);
+        }
+        request.sample_params.iter().for_each(|&w| self.push(w));
+        let layout = StepLayout {
+            tokens,
+            rows: rows.len(),
+            items: items.len(),
+            logit_rows,
+        };
+        (layout, self.len)
+    }
+
+    /// Each token's id, position, slot and logit row; returns the number of logit rows.
+    fn push_tokens(&mut self, rows: &[PackedRow], select: LogitSelection) -> usize {
+        let mut logit_rows = 0;
+        for (r, row) in rows.iter().enumerate() {
+            for (j, &token) in row.tokens.iter().enumerate() {
+                let pos = row.start_pos + j;
+                let page = row.pages[pos / self.page_tokens].0 as usize;
+                let last = j + 1 == row.tokens.len();
+                let logit_row = match select {
+                    LogitSelection::LastOfEachRow if last => r as u32,
+                    LogitSelection::Wanted if wants_logits(row.logits, last) => {
+                        logit_rows += 1;
+                        logit_rows as u32 - 1
+                    }
+                    _ => NO_ROW,
+                };
+                self.push(token);
+                self.push(pos as u32);
+                self.push((page * self.page_tokens + pos % self.page_tokens) as u32);
+                self.push(logit_row);
+            }
+        }
+        match select {
+            LogitSelection::LastOfEachRow => rows.len(),
+            LogitSelection::Wanted => logit_rows,
+        }
+    }
+
+    fn push_rows(&mut self, rows: &[PackedRow]) {
+        let (mut first_token, mut first_entry) = (0, 0);
+        for row in rows {
+            for word in [
+                first_token,
+                row.start_pos,
+                row.tokens.len(),
+                first_entry,
+                row.pages.len(),
+            ] {
+                self.push(word as u32);
+            }
+            first_token += row.tokens.len();
+            first_entry += row.pages.len();
+        }
+    }
+}
+
+fn wants_logits(wanted: LogitsWanted, last_token: bool) -> bool {
+    match wanted {
+        LogitsWanted::None => false,
+        LogitsWanted::Last => last_token,
+        LogitsWanted::All => true,
+    }
+}
+
+/// Prefill work items: (row, first token within the row) every `item_tokens` tokens.
+fn items(rows: &[PackedRow], item_tokens: usize) -> Vec<(u32, u32)> {
+    if item_tokens == 0 {
+        return Vec::new();
+    }
+    rows.iter()
+        .enumerate()
+        .flat_map(|(r, row)| {
+            (0..row.tokens.len())
+                .step_by(item_tokens)
+                .map(move |first| (r as u32, first as u32))
+        })
+        .collect()
+}

@@ -1,0 +1,94 @@
+// Shared by every kernel file: element types, bf16 conversions and block reductions.
+//
+// The sources are compiled by NVRTC without the CUDA headers, so bf16 travels as its 16 bits
+// and is converted with the sm_80 PTX instructions. Every .cu file is appended to this one and
+// compiled as a single program (see engine/src/cuda/kernels.rs).
+
+typedef unsigned short bf16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define NO_ROW 0xffffffffu
+// Query heads one attention block serves (more per KV head are split over blocks).
+#define MAX_GROUP 8
+// Words of one sampled row's parameters (sampling.cu).
+#define SAMPLE_PARAM_WORDS 6
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float bf16_to_f32(bf16 v) {
+    return __uint_as_float(((u32)v) << 16);
+}
+
+__device__ __forceinline__ bf16 f32_to_bf16(float f) {
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+// Two floats as one bf16x2 word, `lo` in the low half (the lower index in memory).
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float bf16x2_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16x2_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+
+// Eight bf16 (one 16-byte load) as floats.
+__device__ __forceinline__ void unpack8(uint4 v, float* out) {
+    out[0] = bf16x2_lo(v.x); out[1] = bf16x2_hi(v.x);
+    out[2] = bf16x2_lo(v.y); out[3] = bf16x2_hi(v.y);
+    out[4] = bf16x2_lo(v.z); out[5] = bf16x2_hi(v.z);
+    out[6] = bf16x2_lo(v.w); out[7] = bf16x2_hi(v.w);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ double warp_sum_f64(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ u32 warp_sum_u32(u32 v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block, returned to every thread. The order of additions is fixed by the launch
+// shape, so a result never changes between runs. `scratch` holds 32 values.
+__device__ float block_sum(float v, float* scratch) {
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float total = 0.f;
+    for (u32 w = 0; w < warps; ++w) total += scratch[w];
+    return total;
+}
+
+__device__ double block_sum_f64(double v, double* scratch) {
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_sum_f64(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    double total = 0.0;
+    for (u32 w = 0; w < warps; ++w) total += scratch[w];
+    return total;
+}
+
+__device__ u32 block_sum_u32(u32 v, u32* scratch) {
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_sum_u32(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    u32 total = 0;
+    for (u32 w = 0; w < warps; ++w) total += scratch[w];
+    return total;
+}

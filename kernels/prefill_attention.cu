@@ -1,0 +1,215 @@
+// Causal attention over paged KV for rows of several tokens (prefill, chunked prefill, a prompt
+// continuing a restored prefix), flash-attention style on the tensor cores.
+//
+// A block takes one work item (a row and up to PREFILL_ROWS / group of its consecutive query
+// tokens), one KV head and up to MAX_GROUP query heads sharing it: its 64 query rows are
+// (token, head) pairs, so grouped heads share every K and V tile. Tiles of 64 key positions are
+// gathered from the row's pages into shared memory (cp.async, zero-filled past the end), then
+// each warp runs S = Q·Kᵀ and O += P·V for its 16 query rows with bf16 mma.sync (fp32
+// accumulate) and an online softmax in registers. The keys are every position the row's pages
+// hold up to the query: a restored prefix and this step's tokens alike (their K and V are
+// appended before attention runs).
+
+#define PREFILL_WARPS 4
+#define PREFILL_ROWS 64
+#define KEY_TILE 64
+
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem));
+}
+
+__device__ __forceinline__ u32 window_start(u32 pos, u32 window) {
+    return (window != 0 && pos + 1 > window) ? pos + 1 - window : 0;
+}
+
+// One query row of the block: where its q lives and which position it sits at.
+struct QueryRow {
+    bool valid;
+    u32 token;  // index in the step
+    u32 head;
+    u32 pos;
+};
+
+__device__ __forceinline__ QueryRow query_row(u32 m, u32 g, u32 n_tok, u32 first_token, u32 first_pos,
+                                              u32 head0) {
+    QueryRow q;
+    u32 t = m / g;
+    q.valid = t < n_tok;
+    q.token = first_token + t;
+    q.head = head0 + m % g;
+    q.pos = first_pos + t;
+    return q;
+}
+
+// Gathers positions k0..k0+KEY_TILE of one KV head into shared memory; rows past `last` are 0.
+template <int D>
+__device__ __forceinline__ void load_kv_tile(bf16* ks, bf16* vs, const bf16* k_cache,
+                                             const bf16* v_cache, const u32* table, u32 page_tokens,
+                                             u32 kv_heads, u32 kvh, u32 k0, u32 last) {
+    constexpr int STRIDE = D + 8, CHUNKS = D / 8;
+    for (u32 c = threadIdx.x; c < KEY_TILE * CHUNKS; c += blockDim.x) {
+        u32 key = c / CHUNKS, part = c % CHUNKS, k = k0 + key;
+        bf16* kd = ks + key * STRIDE + part * 8;
+        bf16* vd = vs + key * STRIDE + part * 8;
+        if (k <= last) {
+            u64 slot = (u64)table[k / page_tokens] * page_tokens + k % page_tokens;
+            u64 at = (slot * kv_heads + kvh) * D + part * 8;
+            cp_async16(kd, k_cache + at);
+            cp_async16(vd, v_cache + at);
+        } else {
+            *(uint4*)kd = make_uint4(0, 0, 0, 0);
+            *(uint4*)vd = make_uint4(0, 0, 0, 0);
+        }
+    }
+    asm volatile("cp.async.commit_group;");
+    asm volatile("cp.async.wait_group 0;");
+}
+
+template <int D>
+__device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
+                                  const bf16* __restrict__ k_cache,
+                                  const bf16* __restrict__ v_cache,
+                                  const u32* __restrict__ page_table, u32 table_stride,
+                                  const u32* __restrict__ row_start_token,
+                                  const u32* __restrict__ row_start_pos,
+                                  const u32* __restrict__ row_len, const u32* __restrict__ items,
+                                  u32 heads, u32 kv_heads, u32 page_tokens, u32 window,
+                                  float scale_log2, bf16* __restrict__ out) {
+    constexpr int STRIDE = D + 8, KS = D / 16, NT = D / 8;
+    __shared__ __align__(16) bf16 ks[KEY_TILE * STRIDE];
+    __shared__ __align__(16) bf16 vs[KEY_TILE * STRIDE];
+
+    u32 group = heads / kv_heads, chunks = (group + MAX_GROUP - 1) / MAX_GROUP;
+    u32 kvh = blockIdx.y / chunks, chunk = blockIdx.y % chunks;
+    u32 head0 = kvh * group + chunk * MAX_GROUP;
+    u32 g = min((u32)MAX_GROUP, group - chunk * MAX_GROUP);
+    u32 tile_tokens = PREFILL_ROWS / min(group, (u32)MAX_GROUP);
+    u32 r = items[2 * blockIdx.x], q0 = items[2 * blockIdx.x + 1];
+    u32 n_tok = min(tile_tokens, row_len[r] - q0);
+    u32 first_token = row_start_token[r] + q0, first_pos = row_start_pos[r] + q0;
+    u32 last_pos = first_pos + n_tok - 1;
+    const u32* table = page_table + (u64)r * table_stride;
+
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
+    QueryRow rows[2] = {
+        query_row(warp * 16 + gid, g, n_tok, first_token, first_pos, head0),
+        query_row(warp * 16 + gid + 8, g, n_tok, first_token, first_pos, head0),
+    };
+    // Q fragments (A operand, row-major): per k-step, rows gid / gid+8, columns tig*2 and +8.
+    u32 qa[KS][4];
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const QueryRow& q = rows[j & 1];
+            u32 col = kk * 16 + (j >> 1) * 8 + tig * 2;
+            qa[kk][j] = q.valid ? *(const u32*)(qkv + (u64)q.token * qkv_stride + (u64)q.head * D + col) : 0u;
+        }
+    }
+    float o[NT][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+
+    for (u32 k0 = window_start(first_pos, window); k0 <= last_pos; k0 += KEY_TILE) {
+        __syncthreads();
+        load_kv_tile<D>(ks, vs, k_cache, v_cache, table, page_tokens, kv_heads, kvh, k0, last_pos);
+        __syncthreads();
+        float s[KEY_TILE / 8][4];
+#pragma unroll
+        for (int n = 0; n < KEY_TILE / 8; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            const bf16* krow = ks + (n * 8 + gid) * STRIDE + tig * 2;
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk)
+                mma_bf16(s[n], qa[kk], *(const u32*)(krow + kk * 16), *(const u32*)(krow + kk * 16 + 8));
+        }
+        // Mask, scale, and the online softmax of this thread's two rows (shared by a quad).
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const QueryRow& q = rows[half];
+            u32 lo = window_start(q.pos, window);
+            float mx = NEG_INF;
+#pragma unroll
+            for (int n = 0; n < KEY_TILE / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    u32 key = k0 + n * 8 + tig * 2 + e;
+                    bool visible = q.valid && key <= q.pos && key >= lo;
+                    float v = visible ? s[n][half * 2 + e] * scale_log2 : NEG_INF;
+                    s[n][half * 2 + e] = v;
+                    mx = fmaxf(mx, v);
+                }
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            float m_new = fmaxf(m[half], mx);
+            float base = m_new == NEG_INF ? 0.f : m_new;
+            float alpha = exp2f(m[half] - base), sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < KEY_TILE / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float p = exp2f(s[n][half * 2 + e] - base);
+                    s[n][half * 2 + e] = p;
+                    sum += p;
+                }
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            l[half] = l[half] * alpha + sum;
+            m[half] = m_new;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) o[n][half * 2] *= alpha, o[n][half * 2 + 1] *= alpha;
+        }
+        // O += P·V, P re-packed from the S accumulators as the A operand (16 keys per step).
+#pragma unroll
+        for (int j = 0; j < KEY_TILE / 16; ++j) {
+            u32 pa[4] = {pack_bf16x2(s[2 * j][0], s[2 * j][1]), pack_bf16x2(s[2 * j][2], s[2 * j][3]),
+                         pack_bf16x2(s[2 * j + 1][0], s[2 * j + 1][1]),
+                         pack_bf16x2(s[2 * j + 1][2], s[2 * j + 1][3])};
+            const bf16* v0 = vs + (j * 16 + tig * 2) * STRIDE + gid;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const bf16* v = v0 + n * 8;
+                u32 b0 = (u32)v[0] | ((u32)v[STRIDE] << 16);
+                u32 b1 = (u32)v[8 * STRIDE] | ((u32)v[9 * STRIDE] << 16);
+                mma_bf16(o[n], pa, b0, b1);
+            }
+        }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const QueryRow& q = rows[half];
+        if (!q.valid) continue;
+        float inv = l[half] > 0.f ? 1.f / l[half] : 0.f;
+        bf16* dst = out + (u64)q.token * heads * D + (u64)q.head * D + tig * 2;
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+            *(u32*)(dst + n * 8) = pack_bf16x2(o[n][half * 2] * inv, o[n][half * 2 + 1] * inv);
+    }
+}
+
+#define PREFILL_ENTRY(D)                                                                          \
+    extern "C" __global__ void __launch_bounds__(PREFILL_WARPS * 32)                              \
+        prefill_attention_d##D(const bf16* qkv, u32 qkv_stride, const bf16* k_cache,              \
+                               const bf16* v_cache, const u32* page_table, u32 table_stride,      \
+                               const u32* row_start_token, const u32* row_start_pos,              \
+                               const u32* row_len, const u32* items, u32 heads, u32 kv_heads,     \
+                               u32 page_tokens, u32 window, float scale_log2, bf16* out) {        \
+        prefill_attention<D>(qkv, qkv_stride, k_cache, v_cache, page_table, table_stride,         \
+                             row_start_token, row_start_pos, row_len, items, heads, kv_heads,     \
+                             page_tokens, window, scale_log2, out);                               \
+    }
+PREFILL_ENTRY(16)
+PREFILL_ENTRY(32)
+PREFILL_ENTRY(64)
+PREFILL_ENTRY(128)
