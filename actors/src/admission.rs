@@ -102,16 +102,19 @@ impl Admission {
             let ops = act.scheduler.plan_pool(replies);
             let pool = act.pool.clone();
             async move {
-                pool.send(PoolStep(ops))
+                if ops.is_empty() {
+                    return (Vec::new(), None);
+                }
+                let reply = pool
+                    .send(PoolStep(ops))
                     .await
-                    .expect("the KvPool actor runs as long as Admission")
+                    .expect("the KvPool actor runs as long as Admission");
+                (reply.replies, Some(reply.stats))
             }
             .into_actor(act)
         })
-        .then(|reply, act, _| {
-            let ops = act
-                .scheduler
-                .plan_store(reply.replies, reply.stats, Instant::now());
+        .then(|(replies, stats), act, _| {
+            let ops = act.scheduler.plan_store(replies, stats, Instant::now());
             let store = act.store.clone();
             async move {
                 if ops.is_empty() {

@@ -261,13 +261,16 @@ impl Scheduler {
     }
 
     /// Phase 3: applies the pool's answers and returns the store changes.
+    /// `stats` is `None` when phase 2 had nothing for the pool, which then did not change.
     pub fn plan_store(
         &mut self,
         replies: Vec<PoolReply>,
-        stats: PoolStats,
+        stats: Option<PoolStats>,
         now: Instant,
     ) -> Vec<StoreOp> {
-        self.available_pages = stats.available_pages;
+        if let Some(stats) = stats {
+            self.available_pages = stats.available_pages;
+        }
         let mut draft = self.draft.take().expect("plan_pool ran");
         let purposes = std::mem::take(&mut draft.pool_purposes);
         let mut admitted = Vec::new();

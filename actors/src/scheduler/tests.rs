@@ -100,7 +100,7 @@ impl Harness {
         let ops = self.scheduler.plan_pool(replies);
         let replies: Vec<_> = ops.into_iter().map(|op| self.pool.apply(op)).collect();
         let stats = self.pool.stats();
-        let ops = self.scheduler.plan_store(replies, stats, now);
+        let ops = self.scheduler.plan_store(replies, Some(stats), now);
         let replies = ops.into_iter().map(|op| self.store.apply(op)).collect();
         let step = self.scheduler.plan_engine(replies);
         let rows = step.as_ref().map_or_else(Vec::new, |s| rows_of(&s.plan));
