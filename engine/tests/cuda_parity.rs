@@ -1,0 +1,276 @@
+//! The CUDA backend against the CPU backend on the same (bf16, seeded random) weights: logits
+//! within bf16 tolerance, and the same greedy continuations wherever the top two logits are
+//! further apart than the backends' difference. Run on the GPU machine with
+//! `cargo test --release -p engine --test cuda_parity -- --ignored --nocapture`.
+
+use cache::PageId;
+use engine::DType;
+use engine::backend::{Backend, LogitsWanted, RowPlan, StepOutput, StepPlan};
+use engine::cpu::{CpuBackend, CpuOptions};
+use engine::cuda::{CudaBackend, CudaOptions};
+use engine::model::synthetic::{self, SyntheticSpec};
+use engine::model::{Architecture, ModelFiles};
+use engine::sampling::{Sampler, SamplingParams, argmax};
+
+const PAGE: usize = 16;
+const PAGES: usize = 256;
+
+fn model(spec: &SyntheticSpec) -> (tempfile::TempDir, ModelFiles) {
+    let dir = tempfile::tempdir().unwrap();
+    synthetic::write(dir.path(), spec).unwrap();
+    let files = ModelFiles::open(dir.path()).unwrap();
+    (dir, files)
+}
+
+fn cpu(model: &ModelFiles) -> CpuBackend {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let options = CpuOptions {
+        threads,
+        page_tokens: PAGE,
+        num_pages: PAGES,
+    };
+    CpuBackend::load(model, &options).unwrap()
+}
+
+fn cuda(model: &ModelFiles, graphs: bool) -> CudaBackend {
+    let options = CudaOptions {
+        cuda_graphs: graphs,
+        ..CudaOptions::for_tokens(PAGES * PAGE, 1024, 16)
+    };
+    CudaBackend::load(model, &options).expect("these tests need a CUDA device")
+}
+
+/// The shapes checked: the tiny model as Llama, Qwen2 (q/k/v bias) and Mistral (a sliding
+/// window shorter than the prompts, untied embeddings), and SmolLM2-135M's shape.
+fn specs() -> Vec<(&'static str, SyntheticSpec)> {
+    let tiny = SyntheticSpec {
+        dtype: DType::BF16,
+        ..SyntheticSpec::tiny(21)
+    };
+    vec![
+        ("tiny llama", tiny.clone()),
+        (
+            "tiny qwen2",
+            SyntheticSpec {
+                architecture: Architecture::Qwen2,
+                ..tiny.clone()
+            },
+        ),
+        (
+            "tiny mistral",
+            SyntheticSpec {
+                architecture: Architecture::Mistral,
+                sliding_window: Some(24),
+                tie_word_embeddings: false,
+                ..tiny
+            },
+        ),
+        ("smollm2 shape", SyntheticSpec::smollm2(22)),
+    ]
+}
+
+fn prompt(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 37 + seed * 11) % 256 + 3)
+        .collect()
+}
+
+fn pages(first: u32, n: usize) -> Vec<PageId> {
+    (0..n as u32).map(|i| PageId(first + 3 * i)).collect()
+}
+
+/// Max absolute difference and RMS difference relative to the CPU's RMS.
+fn difference(cpu: &[f32], gpu: &[f32]) -> (f32, f64) {
+    let (mut max, mut err, mut norm) = (0f32, 0f64, 0f64);
+    for (&c, &g) in cpu.iter().zip(gpu) {
+        assert!(g.is_finite(), "non-finite GPU logit");
+        max = max.max((c - g).abs());
+        err += ((c - g) as f64).powi(2);
+        norm += (c as f64).powi(2);
+    }
+    (max, (err / norm).sqrt())
+}
+
+/// The gap between the two largest logits.
+fn margin(logits: &[f32]) -> f32 {
+    let best = argmax(logits) as usize;
+    let second = logits
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != best)
+        .map(|(_, l)| *l)
+        .fold(f32::NEG_INFINITY, f32::max);
+    logits[best] - second
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn prefill_logits_match_the_cpu_backend() {
+    for (name, spec) in specs() {
+        let (_dir, files) = model(&spec);
+        let (mut cpu, mut gpu) = (cpu(&files), cuda(&files, true));
+        let plan = StepPlan {
+            rows: vec![
+                RowPlan {
+                    tokens: prompt(1, 70),
+                    start_pos: 0,
+                    pages: pages(0, 5),
+                    logits: LogitsWanted::All,
+                },
+                RowPlan {
+                    tokens: prompt(2, 37),
+                    start_pos: 0,
+                    pages: pages(1, 3),
+                    logits: LogitsWanted::All,
+                },
+            ],
+        };
+        let (want, got) = (cpu.step(&plan).unwrap(), gpu.step(&plan).unwrap());
+        assert_eq!(want.row_ranges, got.row_ranges);
+        let (max, rel) = difference(&want.logits, &got.logits);
+        let agree = healthy_argmax_agreement(&want, &got, max);
+        println!(
+            "{name}: prefill logits max abs error {max:.4}, relative RMS {rel:.2e}; argmax agrees at {}/{} healthy positions",
+            agree.0, agree.1
+        );
+        assert!(rel < 2e-2, "{name}: relative RMS {rel}");
+        assert_eq!(
+            agree.0, agree.1,
+            "{name}: an argmax differs where the margin is healthy"
+        );
+    }
+}
+
+/// (agreeing, checked) argmaxes over logit rows whose CPU margin exceeds twice `max_error`.
+fn healthy_argmax_agreement(want: &StepOutput, got: &StepOutput, max_error: f32) -> (usize, usize) {
+    let v = want.vocab_size;
+    let rows = want.logits.chunks(v).zip(got.logits.chunks(v));
+    let healthy: Vec<bool> = rows
+        .clone()
+        .map(|(c, _)| margin(c) > 2.0 * max_error)
+        .collect();
+    let agree = rows
+        .zip(&healthy)
+        .filter(|((c, g), h)| **h && argmax(c) == argmax(g))
+        .count();
+    (agree, healthy.iter().filter(|h| **h).count())
+}
+
+/// Three sequences decoding together: CPU greedy (logits and margins), the GPU fed the CPU's
+/// tokens (logit error per step), and the GPU free-running through `step_and_sample`.
+fn greedy_continuations(name: &str, files: &ModelFiles, graphs: bool) {
+    let (mut cpu, mut gpu, mut free) = (cpu(files), cuda(files, graphs), cuda(files, graphs));
+    let prompts = [prompt(3, 20), prompt(4, 45), prompt(5, 33)];
+    let tables: Vec<Vec<PageId>> = (0..3).map(|s| pages(s, 8)).collect();
+    let plan = |tokens: &[Vec<u32>], starts: &[usize]| StepPlan {
+        rows: (0..3)
+            .map(|s| RowPlan {
+                tokens: tokens[s].clone(),
+                start_pos: starts[s],
+                pages: tables[s].clone(),
+                logits: LogitsWanted::Last,
+            })
+            .collect(),
+    };
+    let mut starts = [0usize; 3];
+    let mut inputs: Vec<Vec<u32>> = prompts.to_vec();
+    let (mut cpu_tokens, mut free_tokens) = (vec![Vec::new(); 3], vec![Vec::new(); 3]);
+    let (mut free_inputs, mut max_error, mut margins) = (inputs.clone(), 0f32, vec![Vec::new(); 3]);
+    for _ in 0..16 {
+        let step = plan(&inputs, &starts);
+        let (want, got) = (cpu.step(&step).unwrap(), gpu.step(&step).unwrap());
+        max_error = max_error.max(difference(&want.logits, &got.logits).0);
+        let mut samplers: Vec<Sampler> = (0..3)
+            .map(|_| Sampler::new(&SamplingParams::default(), &[]))
+            .collect();
+        let mut slots: Vec<Option<&mut Sampler>> = samplers.iter_mut().map(Some).collect();
+        let picked = free
+            .step_and_sample(&plan(&free_inputs, &starts), &mut slots)
+            .unwrap();
+        for s in 0..3 {
+            let next = argmax(want.last_logits(s));
+            margins[s].push(margin(want.last_logits(s)));
+            cpu_tokens[s].push(next);
+            free_tokens[s].push(picked[s].unwrap());
+            starts[s] += inputs[s].len();
+            inputs[s] = vec![next];
+            free_inputs[s] = vec![picked[s].unwrap()];
+        }
+    }
+    for s in 0..3 {
+        // Tokens must agree up to the first step whose margin is within the backends' difference.
+        let healthy = margins[s]
+            .iter()
+            .take_while(|m| **m > 2.0 * max_error)
+            .count();
+        println!(
+            "{name} (graphs {graphs}) sequence {s}: cpu {:?} gpu {:?}; {healthy} healthy steps, max abs logit error {max_error:.4}",
+            cpu_tokens[s], free_tokens[s]
+        );
+        assert_eq!(
+            cpu_tokens[s][..healthy],
+            free_tokens[s][..healthy],
+            "{name}: sequence {s}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn greedy_decoding_follows_the_cpu_backend() {
+    for (name, spec) in [specs().remove(0), specs().remove(3)] {
+        let (_dir, files) = model(&spec);
+        greedy_continuations(name, &files, true);
+        greedy_continuations(name, &files, false);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn seeded_sampling_on_the_gpu_is_reproducible() {
+    let (_dir, files) = model(&SyntheticSpec::smollm2(22));
+    let params = SamplingParams {
+        temperature: 0.8,
+        top_k: 50,
+        top_p: 0.9,
+        seed: Some(7),
+        ..SamplingParams::default()
+    };
+    let penalized = SamplingParams {
+        repetition_penalty: 1.3,
+        ..params.clone()
+    };
+    let run = |params: &SamplingParams| -> Vec<u32> {
+        let mut gpu = cuda(&files, true);
+        let mut sampler = Sampler::new(params, &[]);
+        let mut tokens = Vec::new();
+        let mut input = prompt(6, 25);
+        let mut start = 0;
+        for _ in 0..12 {
+            let plan = StepPlan {
+                rows: vec![RowPlan {
+                    tokens: input.clone(),
+                    start_pos: start,
+                    pages: pages(0, 4),
+                    logits: LogitsWanted::Last,
+                }],
+            };
+            let next = gpu
+                .step_and_sample(&plan, &mut [Some(&mut sampler)])
+                .unwrap()[0]
+                .unwrap();
+            sampler.accept(next);
+            start += input.len();
+            input = vec![next];
+            tokens.push(next);
+        }
+        tokens
+    };
+    let first = run(&params);
+    assert_eq!(first, run(&params));
+    assert!(first.iter().all(|&t| (t as usize) < 49_152));
+    // Penalties are applied on the host, from downloaded logits.
+    let host = run(&penalized);
+    assert_eq!(host, run(&penalized));
+    println!("sampled on the GPU: {first:?}; with a repetition penalty, on the host: {host:?}");
+}
