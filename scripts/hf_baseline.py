@@ -73,7 +73,10 @@ def main():
     dtype = getattr(torch, args.dtype)
     if args.random_config:
         config = AutoConfig.from_pretrained(args.random_config)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+        torch.manual_seed(0)
+        # Built on the device: initializing an 8B model on the host takes minutes.
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
         name = args.random_config
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="eager")

@@ -6,13 +6,16 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use engine::DType;
+use engine::backend::Backend;
 use engine::bench::BenchSpec;
 use engine::chat::ChatMessage;
 use engine::cpu::{CpuBackend, CpuOptions};
+use engine::cuda::{CudaBackend, CudaOptions, PoolSize};
 use engine::fetch::{self, FetchOptions};
 use engine::generate::{Vocabulary, generate};
-use engine::model::ModelFiles;
+use engine::model::{ModelConfig, ModelFiles};
 use engine::sampling::SamplingParams;
+use engine::select::{self, BackendKind, Resolved};
 
 #[derive(Parser)]
 #[command(
@@ -68,6 +71,58 @@ struct BenchArgs {
     /// CPU threads [default: all cores].
     #[arg(long)]
     threads: Option<usize>,
+
+    /// Which backend runs the model; auto takes the GPU when one is usable.
+    #[arg(long, value_enum, default_value = "auto")]
+    backend: BackendArg,
+
+    /// Build the model from --model-config with weights drawn on the GPU from --seed, instead
+    /// of loading a checkpoint.
+    #[arg(long, requires = "model_config")]
+    random_weights: bool,
+
+    /// A config.json giving the model shape for --random-weights (any Llama-family shape).
+    #[arg(long)]
+    model_config: Option<PathBuf>,
+
+    /// Seed of --random-weights.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+
+    /// Share of the GPU's memory the CUDA backend may hold.
+    #[arg(long, default_value_t = 0.9)]
+    gpu_memory_fraction: f64,
+
+    /// Run decode steps eagerly instead of replaying CUDA graphs.
+    #[arg(long)]
+    no_cuda_graphs: bool,
+
+    /// Steps of at most this many tokens (0 to 8) project through snapserve's gemv kernel
+    /// instead of cuBLAS.
+    #[arg(long, default_value_t = 8)]
+    gemv_max_tokens: usize,
+}
+
+/// `--backend`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum BackendArg {
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+impl From<BackendArg> for BackendKind {
+    fn from(arg: BackendArg) -> Self {
+        match arg {
+            BackendArg::Auto => BackendKind::Auto,
+            BackendArg::Cpu => BackendKind::Cpu,
+            BackendArg::Cuda => BackendKind::Cuda,
+        }
+    }
 }
 
 #[derive(Args)]
@@ -242,27 +297,90 @@ fn generate_text(cache_dir: &Path, args: GenerateArgs) -> Result<()> {
 }
 
 fn bench(cache_dir: &Path, args: BenchArgs) -> Result<()> {
-    let dir = model_dir(cache_dir, args.model, DType::F32)?;
-    let model = ModelFiles::open(&dir)?;
-    let spec = BenchSpec {
-        prompt_lengths: args.prompt_lengths,
-        decode_batches: args.batches,
-        contexts: args.contexts,
+    let kind = select::resolve(args.backend.into(), args.device);
+    let cuda = kind == Resolved::Cuda;
+    let mut spec = BenchSpec {
+        prompt_lengths: args.prompt_lengths.clone(),
+        decode_batches: args.batches.clone(),
+        contexts: args.contexts.clone(),
         decode_steps: args.decode_steps,
         repeats: args.repeats,
         prefill_chunk: 512,
         seed: 0,
     };
-    let mut options = CpuOptions::for_tokens(spec.tokens_needed());
-    if let Some(threads) = args.threads {
-        options.threads = threads;
-    }
-    let mut backend = CpuBackend::load(&model, &options)?;
-    println!(
-        "snapserve bench: {} on the CPU, {} threads",
-        dir.display(),
-        options.threads
-    );
-    engine::bench::run(&mut backend, &spec, |row| println!("{row}"))?;
+    let mut backend: Box<dyn Backend> = if cuda {
+        spec.prefill_chunk = spec
+            .prompt_lengths
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(2048);
+        Box::new(cuda_bench_backend(cache_dir, &args, &spec)?)
+    } else {
+        anyhow::ensure!(
+            !args.random_weights,
+            "--random-weights draws the weights on the GPU; no usable GPU was found"
+        );
+        let dir = model_dir(cache_dir, args.model, DType::F32)?;
+        let model = ModelFiles::open(&dir)?;
+        let mut options = CpuOptions::for_tokens(spec.tokens_needed(16));
+        if let Some(threads) = args.threads {
+            options.threads = threads;
+        }
+        println!(
+            "snapserve bench: {} on the CPU, {} threads",
+            dir.display(),
+            options.threads
+        );
+        Box::new(CpuBackend::load(&model, &options)?)
+    };
+    engine::bench::run(backend.as_mut(), &spec, |row| println!("{row}"))?;
     Ok(())
+}
+
+/// The CUDA backend for `snapserve bench`: a checkpoint, or random weights of a given shape;
+/// the KV pool takes what the memory plan leaves.
+fn cuda_bench_backend(cache_dir: &Path, args: &BenchArgs, spec: &BenchSpec) -> Result<CudaBackend> {
+    let options = CudaOptions {
+        device: args.device,
+        gpu_memory_fraction: args.gpu_memory_fraction,
+        cuda_graphs: !args.no_cuda_graphs,
+        gemv_max_tokens: args.gemv_max_tokens,
+        pool: PoolSize::MemoryFraction(1.0),
+        device_snapshot_bytes: 0,
+        ..CudaOptions::for_tokens(
+            0,
+            spec.max_step_tokens(),
+            spec.decode_batches.iter().copied().max().unwrap_or(1),
+        )
+    };
+    let (backend, what) = match (&args.model_config, args.random_weights) {
+        (Some(path), true) => {
+            let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
+            let config = ModelConfig::from_json(&text, path)?;
+            let backend = CudaBackend::random(config, args.seed, &options)?;
+            (
+                backend,
+                format!(
+                    "{} with random weights (seed {})",
+                    path.display(),
+                    args.seed
+                ),
+            )
+        }
+        _ => {
+            let dir = model_dir(cache_dir, args.model.clone(), DType::BF16)?;
+            let backend = CudaBackend::load(&ModelFiles::open(&dir)?, &options)?;
+            (backend, dir.display().to_string())
+        }
+    };
+    println!(
+        "snapserve bench: {what} on {} (CUDA graphs {}, gemv up to {} tokens)",
+        backend.device().name,
+        if options.cuda_graphs { "on" } else { "off" },
+        options.gemv_max_tokens
+    );
+    println!("{}", backend.memory_plan());
+    Ok(backend)
 }

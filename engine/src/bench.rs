@@ -1,18 +1,23 @@
 //! `snapserve bench`: prefill and decode throughput of a backend, measured by running steps.
 //!
-//! Prefill: one fresh sequence of `length` random tokens in one step. Decode: `batch`
-//! sequences are prefilled (untimed) to `context` tokens, then `decode_steps` steps of one
-//! token per sequence are timed. Each figure is the median of `repeats` runs. Tokens are drawn
-//! from a seeded generator, so two runs measure the same work.
+//! Prefill: one fresh sequence of `length` random tokens in one step, its next token picked
+//! greedily. Decode: one sequence is prefilled (untimed) to `context` tokens and its pages
+//! copied, through a snapshot buffer, to `batch - 1` more sequences; then `decode_steps` steps
+//! of one greedy token per sequence are timed, after one untimed step (which captures a CUDA
+//! graph where the backend uses them). Tokens come back through `step_and_sample`, as a server
+//! takes them: no logits leave the device. Each figure is the median of `repeats` runs; the
+//! decode runs continue the same sequences. Tokens are drawn from a seeded generator, so two
+//! runs measure the same work. A configuration the KV pool cannot hold is reported as skipped.
 
 use std::time::{Duration, Instant};
 
-use cache::PageId;
+use cache::{BackingId, PageCopy, PageId, Tier};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::backend::{Backend, LogitsWanted, RowPlan, StepPlan};
-use crate::error::{EngineError, Result};
+use crate::error::Result;
+use crate::sampling::{Sampler, SamplingParams};
 
 /// What to measure.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,12 +33,27 @@ pub struct BenchSpec {
 }
 
 impl BenchSpec {
-    /// Positions the largest configuration needs at once (sizes the KV pool).
-    pub fn tokens_needed(&self) -> usize {
+    /// Positions one decode sequence reaches at `context`.
+    fn positions_per_sequence(&self, context: usize) -> usize {
+        context + (self.repeats.max(1) * self.decode_steps) + 1
+    }
+
+    /// Positions the largest configuration needs at once (sizes a KV pool).
+    pub fn tokens_needed(&self, page_tokens: usize) -> usize {
         let prefill = self.prompt_lengths.iter().copied().max().unwrap_or(0);
-        let decode = self.decode_batches.iter().copied().max().unwrap_or(0)
-            * (self.contexts.iter().copied().max().unwrap_or(0) + self.decode_steps + 16);
+        let longest = self.contexts.iter().copied().max().unwrap_or(0);
+        let per_sequence = self
+            .positions_per_sequence(longest)
+            .next_multiple_of(page_tokens);
+        let decode = self.decode_batches.iter().copied().max().unwrap_or(0) * per_sequence;
         prefill.max(decode)
+    }
+
+    /// The most tokens one step holds.
+    pub fn max_step_tokens(&self) -> usize {
+        let prefill = self.prompt_lengths.iter().copied().max().unwrap_or(0);
+        let batch = self.decode_batches.iter().copied().max().unwrap_or(0);
+        prefill.max(self.prefill_chunk).max(batch)
     }
 }
 
@@ -51,6 +71,8 @@ pub enum BenchRow {
         tokens_per_s: f64,
         step: Duration,
     },
+    /// A configuration the backend cannot hold.
+    Skipped { what: String, reason: String },
 }
 
 impl std::fmt::Display for BenchRow {
@@ -79,6 +101,7 @@ impl std::fmt::Display for BenchRow {
                     step.as_secs_f64() * 1e3
                 )
             }
+            BenchRow::Skipped { what, reason } => write!(f, "{what}: skipped ({reason})"),
         }
     }
 }
@@ -91,32 +114,30 @@ pub fn run(
 ) -> Result<Vec<BenchRow>> {
     let mut rng = ChaCha8Rng::seed_from_u64(spec.seed);
     let mut rows = Vec::new();
+    let mut report = |row: BenchRow| {
+        on_row(&row);
+        rows.push(row);
+    };
     for &length in &spec.prompt_lengths {
-        let step = median(
-            (0..spec.repeats.max(1))
-                .map(|_| prefill_once(backend, &mut rng, length))
-                .collect::<Result<_>>()?,
-        );
-        rows.push(BenchRow::Prefill {
+        let what = format!("prefill length {length}");
+        if let Err(reason) = check_capacity(backend, 1, length) {
+            report(BenchRow::Skipped { what, reason });
+            continue;
+        }
+        prefill_once(backend, &mut rng, length)?; // warm-up
+        let runs = (0..spec.repeats.max(1))
+            .map(|_| prefill_once(backend, &mut rng, length))
+            .collect::<Result<_>>()?;
+        let step = median(runs);
+        report(BenchRow::Prefill {
             length,
             tokens_per_s: length as f64 / step.as_secs_f64(),
             step,
         });
-        on_row(rows.last().expect("just pushed"));
     }
     for &context in &spec.contexts {
         for &batch in &spec.decode_batches {
-            let runs = (0..spec.repeats.max(1))
-                .map(|_| decode_once(backend, &mut rng, spec, batch, context))
-                .collect::<Result<_>>()?;
-            let step = median(runs);
-            rows.push(BenchRow::Decode {
-                batch,
-                context,
-                tokens_per_s: batch as f64 / step.as_secs_f64(),
-                step,
-            });
-            on_row(rows.last().expect("just pushed"));
+            report(decode(backend, &mut rng, spec, batch, context)?);
         }
     }
     Ok(rows)
@@ -131,15 +152,39 @@ fn random_tokens(rng: &mut ChaCha8Rng, vocab: usize, n: usize) -> Vec<u32> {
     (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
 }
 
-fn check_capacity(backend: &dyn Backend, tokens: usize) -> Result<()> {
+/// Whether the pool holds `sequences` sequences of `positions` positions each, and the model
+/// reaches that far; the reason when not.
+fn check_capacity(
+    backend: &dyn Backend,
+    sequences: usize,
+    positions: usize,
+) -> std::result::Result<(), String> {
     let info = backend.info();
     let capacity = info.num_pages * info.geometry.page_tokens;
-    if tokens > capacity {
-        return Err(EngineError::InvalidStep(format!(
-            "the benchmark needs {tokens} KV positions; the pool holds {capacity}"
-        )));
+    let needed = sequences * info.geometry.pages_for(positions) * info.geometry.page_tokens;
+    if needed > capacity {
+        return Err(format!(
+            "needs {needed} KV positions; the pool holds {capacity}"
+        ));
+    }
+    if positions > info.max_positions {
+        return Err(format!(
+            "needs {positions} positions; the model's context is {}",
+            info.max_positions
+        ));
     }
     Ok(())
+}
+
+fn greedy() -> Sampler {
+    Sampler::new(&SamplingParams::default(), &[])
+}
+
+/// One step picking every row's next token greedily.
+fn sample_step(backend: &mut dyn Backend, rows: Vec<RowPlan>) -> Result<Vec<Option<u32>>> {
+    let mut samplers: Vec<Sampler> = rows.iter().map(|_| greedy()).collect();
+    let mut slots: Vec<Option<&mut Sampler>> = samplers.iter_mut().map(Some).collect();
+    backend.step_and_sample(&StepPlan { rows }, &mut slots)
 }
 
 fn prefill_once(
@@ -147,41 +192,34 @@ fn prefill_once(
     rng: &mut ChaCha8Rng,
     length: usize,
 ) -> Result<Duration> {
-    check_capacity(backend, length)?;
     let pages = (0..backend.info().geometry.pages_for(length) as u32)
         .map(PageId)
         .collect();
-    let tokens = random_tokens(rng, backend.info().vocab_size, length);
-    let plan = StepPlan {
-        rows: vec![RowPlan {
-            tokens,
-            start_pos: 0,
-            pages,
-            logits: LogitsWanted::Last,
-        }],
+    let row = RowPlan {
+        tokens: random_tokens(rng, backend.info().vocab_size, length),
+        start_pos: 0,
+        pages,
+        logits: LogitsWanted::Last,
     };
     let started = Instant::now();
-    backend.step(&plan)?;
+    sample_step(backend, vec![row])?;
     Ok(started.elapsed())
 }
 
-/// Mean time of one decode step of `batch` sequences sitting at `context` positions.
-fn decode_once(
+/// Measures decode of `batch` sequences holding `context` tokens, or says why it cannot.
+fn decode(
     backend: &mut dyn Backend,
     rng: &mut ChaCha8Rng,
     spec: &BenchSpec,
     batch: usize,
     context: usize,
-) -> Result<Duration> {
-    let per_seq = backend
-        .info()
-        .geometry
-        .pages_for(context + spec.decode_steps);
-    check_capacity(
-        backend,
-        batch * per_seq * backend.info().geometry.page_tokens,
-    )?;
-    let vocab = backend.info().vocab_size;
+) -> Result<BenchRow> {
+    let geometry = backend.info().geometry;
+    let per_seq = geometry.pages_for(spec.positions_per_sequence(context));
+    let what = format!("decode batch {batch} context {context}");
+    if let Err(reason) = check_capacity(backend, batch, spec.positions_per_sequence(context)) {
+        return Ok(BenchRow::Skipped { what, reason });
+    }
     let tables: Vec<Vec<PageId>> = (0..batch)
         .map(|s| {
             (0..per_seq)
@@ -189,30 +227,81 @@ fn decode_once(
                 .collect()
         })
         .collect();
-    for pages in &tables {
-        let prompt = random_tokens(rng, vocab, context);
-        for (i, chunk) in prompt.chunks(spec.prefill_chunk.max(1)).enumerate() {
-            let row = RowPlan {
-                tokens: chunk.to_vec(),
-                start_pos: i * spec.prefill_chunk.max(1),
-                pages: pages.clone(),
-                logits: LogitsWanted::None,
-            };
-            backend.step(&StepPlan { rows: vec![row] })?;
-        }
-    }
-    let started = Instant::now();
-    for step in 0..spec.decode_steps {
+    fill_contexts(backend, rng, spec, &tables, context)?;
+    let vocab = backend.info().vocab_size;
+    let mut pos = context;
+    let mut step = |backend: &mut dyn Backend, rng: &mut ChaCha8Rng| -> Result<()> {
         let rows = tables
             .iter()
             .map(|pages| RowPlan {
                 tokens: random_tokens(rng, vocab, 1),
-                start_pos: context + step,
+                start_pos: pos,
                 pages: pages.clone(),
                 logits: LogitsWanted::Last,
             })
             .collect();
-        backend.step(&StepPlan { rows })?;
+        sample_step(backend, rows)?;
+        pos += 1;
+        Ok(())
+    };
+    step(backend, rng)?; // warm-up, and graph capture
+    let mut runs = Vec::new();
+    for _ in 0..spec.repeats.max(1) {
+        let started = Instant::now();
+        for _ in 0..spec.decode_steps {
+            step(backend, rng)?;
+        }
+        runs.push(started.elapsed() / spec.decode_steps.max(1) as u32);
     }
-    Ok(started.elapsed() / spec.decode_steps.max(1) as u32)
+    let step = median(runs);
+    Ok(BenchRow::Decode {
+        batch,
+        context,
+        tokens_per_s: batch as f64 / step.as_secs_f64(),
+        step,
+    })
+}
+
+/// Prefills the first sequence to `context` tokens and copies its pages to the others through
+/// a snapshot buffer (decode speed does not depend on what the KV holds).
+fn fill_contexts(
+    backend: &mut dyn Backend,
+    rng: &mut ChaCha8Rng,
+    spec: &BenchSpec,
+    tables: &[Vec<PageId>],
+    context: usize,
+) -> Result<()> {
+    let vocab = backend.info().vocab_size;
+    let chunk = spec.prefill_chunk.max(1);
+    let prompt = random_tokens(rng, vocab, context);
+    for (i, part) in prompt.chunks(chunk).enumerate() {
+        let row = RowPlan {
+            tokens: part.to_vec(),
+            start_pos: i * chunk,
+            pages: tables[0].clone(),
+            logits: LogitsWanted::None,
+        };
+        backend.step(&StepPlan { rows: vec![row] })?;
+    }
+    let geometry = backend.info().geometry;
+    let pages = geometry.pages_for(context);
+    let backing = BackingId(u64::MAX - context as u64);
+    backend.alloc_backing(
+        backing,
+        Tier::Device,
+        (pages * geometry.page_bytes()) as u64,
+    )?;
+    let copies = |table: &[PageId]| -> Vec<PageCopy> {
+        (0..pages)
+            .map(|i| PageCopy {
+                snapshot_page: i as u32,
+                pool_page: table[i],
+            })
+            .collect()
+    };
+    backend.save_pages(backing, &copies(&tables[0]))?;
+    for table in &tables[1..] {
+        backend.restore_pages(backing, &copies(table))?;
+    }
+    backend.free_backing(backing)
 }
