@@ -39,7 +39,8 @@ PY
 "$bin" bench --backend cuda --random-weights --model-config $big \
     --prompt-lengths 128,1024,8192 --batches 1,8,32,64,128,256 --contexts 512,1024,8192 \
     --decode-steps 32 --repeats 3
-# Small-batch decode with every projection through cuBLAS, for comparison with the gemv kernel.
+# Small-batch decode with every projection through cuBLAS, for comparison with the gemv kernel
+# (engine/src/cuda/forward.rs says where that is used by default).
 for shape in $small $big; do
     "$bin" bench --backend cuda --random-weights --model-config $shape --gemv-max-tokens 0 \
         --prompt-lengths 128 --batches 1,8 --contexts 512 --decode-steps 32 --repeats 3

@@ -101,9 +101,9 @@ struct BenchArgs {
     #[arg(long)]
     no_cuda_graphs: bool,
 
-    /// Steps of at most this many tokens (0 to 8) project through snapserve's gemv kernel
-    /// instead of cuBLAS.
-    #[arg(long, default_value_t = 8)]
+    /// Steps of at most this many tokens (0 to 8) project small weights through snapserve's
+    /// gemv kernel instead of cuBLAS.
+    #[arg(long, default_value_t = engine::cuda::DEFAULT_GEMV_MAX_TOKENS)]
     gemv_max_tokens: usize,
 }
 

@@ -26,6 +26,11 @@ use crate::model::ModelConfig;
 /// `kernels/decode_attention.cu`).
 pub const MAX_SPLITS: usize = 16;
 
+/// The largest weight [`Forward`] multiplies with the gemv kernel. On an H200 (BENCHMARKS.md)
+/// the gemv is faster than cuBLAS at batch 1 for all of SmolLM2's weights (3.4 MiB at most) and
+/// slower, all in all, for Llama-3.1-8B's (32 MiB and more); the cut lies between, untested.
+pub const GEMV_MAX_WEIGHT_BYTES: usize = 8 << 20;
+
 /// The sizes the workspaces are allocated for.
 #[derive(Debug, Clone, Copy)]
 pub struct WorkspaceSizes {
@@ -131,7 +136,7 @@ pub struct Forward<'a> {
     pub meta: &'a MetaBuffers,
     pub pool: &'a KvPool,
     pub page_tokens: usize,
-    /// Steps of at most this many tokens use [`Kernels::gemv`] for their projections.
+    /// Steps of at most this many tokens use [`Kernels::gemv`] for their small projections.
     pub gemv_max_tokens: usize,
 }
 
@@ -193,8 +198,8 @@ impl Forward<'_> {
         })
     }
 
-    /// A projection: our gemv for a few tokens, where cuBLAS's tiles are built for many; cuBLAS
-    /// beyond `gemv_max_tokens`.
+    /// A projection: our gemv for a few tokens and a small weight, where cuBLAS's fixed costs
+    /// dominate; cuBLAS otherwise.
     fn linear(
         &self,
         x: DPtr<bf16>,
@@ -208,7 +213,8 @@ impl Forward<'_> {
             in_features,
             out_features,
         };
-        if tokens <= self.gemv_max_tokens {
+        let weight_bytes = in_features * out_features * 2;
+        if tokens <= self.gemv_max_tokens && weight_bytes <= GEMV_MAX_WEIGHT_BYTES {
             self.kernels.gemv(x, w, y, shape)
         } else {
             self.gemm.linear(x, w, y, shape)

@@ -58,6 +58,10 @@ use snapshots::{Backings, PoolPages};
 use step_meta::{LogitSelection, MetaCapacity, PackRequest, StepLayout, StepMeta};
 use weights::{GpuWeights, WeightLayout};
 
+/// Steps of one token use the gemv kernel: measured on an H200 (BENCHMARKS.md), it serves
+/// SmolLM2's batch-1 decode 22% faster than cuBLAS, but batches of 8 slower.
+pub const DEFAULT_GEMV_MAX_TOKENS: usize = 1;
+
 /// How to size and run the CUDA backend.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CudaOptions {
@@ -74,7 +78,8 @@ pub struct CudaOptions {
     /// The most rows (sequences) one step may hold.
     pub max_rows: usize,
     /// Steps of at most this many tokens (up to [`kernels::GEMV_MAX_TOKENS`]; 0 for none) run
-    /// their projections through our gemv kernel instead of cuBLAS.
+    /// their projections of small weights through our gemv kernel instead of cuBLAS
+    /// ([`forward::GEMV_MAX_WEIGHT_BYTES`]).
     pub gemv_max_tokens: usize,
 }
 
@@ -95,7 +100,7 @@ impl CudaOptions {
             device_snapshot_bytes: snapshots.device_budget_bytes(),
             max_step_tokens: admission.step_token_budget(),
             max_rows: admission.max_running(),
-            gemv_max_tokens: kernels::GEMV_MAX_TOKENS,
+            gemv_max_tokens: DEFAULT_GEMV_MAX_TOKENS,
         }
     }
 
@@ -111,7 +116,7 @@ impl CudaOptions {
             device_snapshot_bytes: 0,
             max_step_tokens,
             max_rows,
-            gemv_max_tokens: kernels::GEMV_MAX_TOKENS,
+            gemv_max_tokens: DEFAULT_GEMV_MAX_TOKENS,
         }
     }
 }
