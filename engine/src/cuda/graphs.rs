@@ -52,10 +52,6 @@ impl DecodeGraphs {
         };
         Ok(graph.0.launch()?)
     }
-
-    pub fn captured(&self) -> usize {
-        self.graphs.len()
-    }
 }
 
 fn capture(device: &Device, record: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {

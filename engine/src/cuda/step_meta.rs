@@ -142,10 +142,6 @@ impl StepMeta {
         &self.buffers
     }
 
-    pub fn capacity(&self) -> &MetaCapacity {
-        &self.capacity
-    }
-
     /// Checks that a plan fits the buffers (the backend's own limits, beyond the model's).
     pub fn check(&self, plan: &StepPlan, pad_rows_to: usize) -> Result<()> {
         let c = &self.capacity;

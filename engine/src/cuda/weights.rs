@@ -55,7 +55,6 @@ pub struct WeightLayout {
     bytes: usize,
     tied: bool,
     qkv_bias: bool,
-    layers: usize,
 }
 
 /// Slots per layer, in order: attention norm, qkv, o, MLP norm, gate/up, down, [qkv bias].
@@ -118,7 +117,6 @@ impl WeightLayout {
             bytes,
             tied: c.tie_word_embeddings,
             qkv_bias: c.qkv_bias,
-            layers: c.num_layers,
         }
     }
 
@@ -257,10 +255,6 @@ impl GpuWeights {
                 DPtr::NULL
             },
         }
-    }
-
-    pub fn layers(&self) -> usize {
-        self.layout.layers
     }
 }
 
