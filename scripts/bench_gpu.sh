@@ -45,6 +45,12 @@ for shape in $small $big; do
     "$bin" bench --backend cuda --random-weights --model-config $shape --gemv-max-tokens 0 \
         --prompt-lengths 128 --batches 1,8 --contexts 512 --decode-steps 32 --repeats 3
 done
+# The 8B shape with the gemv for weights of at most 8 MiB (none of its projections) and at
+# most 128 MiB (its down projection too), beside the default cut of 64 MiB.
+for mib in 8 128; do
+    "$bin" bench --backend cuda --random-weights --model-config $big --gemv-max-weight-mib $mib \
+        --prompt-lengths 128 --batches 1 --contexts 512 --decode-steps 32 --repeats 3
+done
 "$python" scripts/hf_baseline.py --device cuda --dtype bfloat16 --random-config $small \
     --prompt-lengths 128,1024,8192 --batches 1,32 --contexts 512 --decode-steps 32 --repeats 3
 "$python" scripts/hf_baseline.py --device cuda --dtype bfloat16 --random-config $big \

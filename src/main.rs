@@ -105,6 +105,10 @@ struct BenchArgs {
     /// gemv kernel instead of cuBLAS.
     #[arg(long, default_value_t = engine::cuda::DEFAULT_GEMV_MAX_TOKENS)]
     gemv_max_tokens: usize,
+
+    /// Only weights of at most this many MiB go through the gemv kernel.
+    #[arg(long, default_value_t = engine::cuda::forward::GEMV_MAX_WEIGHT_BYTES >> 20)]
+    gemv_max_weight_mib: usize,
 }
 
 /// `--backend`.
@@ -347,6 +351,7 @@ fn cuda_bench_backend(cache_dir: &Path, args: &BenchArgs, spec: &BenchSpec) -> R
         gpu_memory_fraction: args.gpu_memory_fraction,
         cuda_graphs: !args.no_cuda_graphs,
         gemv_max_tokens: args.gemv_max_tokens,
+        gemv_max_weight_bytes: args.gemv_max_weight_mib << 20,
         pool: PoolSize::MemoryFraction(1.0),
         device_snapshot_bytes: 0,
         ..CudaOptions::for_tokens(

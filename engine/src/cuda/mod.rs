@@ -79,8 +79,9 @@ pub struct CudaOptions {
     pub max_rows: usize,
     /// Steps of at most this many tokens (up to [`kernels::GEMV_MAX_TOKENS`]; 0 for none) run
     /// their projections of small weights through our gemv kernel instead of cuBLAS
-    /// ([`forward::GEMV_MAX_WEIGHT_BYTES`]).
     pub gemv_max_tokens: usize,
+    /// Only weights of at most this many bytes go through the gemv kernel.
+    pub gemv_max_weight_bytes: usize,
 }
 
 impl CudaOptions {
@@ -101,6 +102,7 @@ impl CudaOptions {
             max_step_tokens: admission.step_token_budget(),
             max_rows: admission.max_running(),
             gemv_max_tokens: DEFAULT_GEMV_MAX_TOKENS,
+            gemv_max_weight_bytes: forward::GEMV_MAX_WEIGHT_BYTES,
         }
     }
 
@@ -117,6 +119,7 @@ impl CudaOptions {
             max_step_tokens,
             max_rows,
             gemv_max_tokens: DEFAULT_GEMV_MAX_TOKENS,
+            gemv_max_weight_bytes: forward::GEMV_MAX_WEIGHT_BYTES,
         }
     }
 }
@@ -130,6 +133,7 @@ enum WeightSource<'a> {
 pub struct CudaBackend {
     config: ModelConfig,
     gemv_max_tokens: usize,
+    gemv_max_weight_bytes: usize,
     info: BackendInfo,
     plan: MemoryPlan,
     graphs: Option<DecodeGraphs>,
@@ -218,6 +222,7 @@ impl CudaBackend {
             kernels,
             device,
             gemv_max_tokens: options.gemv_max_tokens.min(kernels::GEMV_MAX_TOKENS),
+            gemv_max_weight_bytes: options.gemv_max_weight_bytes,
             config,
             info,
             plan,
@@ -264,6 +269,7 @@ impl CudaBackend {
             pool: &self.pool,
             page_tokens: self.info.geometry.page_tokens,
             gemv_max_tokens: self.gemv_max_tokens,
+            gemv_max_weight_bytes: self.gemv_max_weight_bytes,
         }
     }
 
@@ -342,6 +348,7 @@ impl CudaBackend {
             pool: &self.pool,
             page_tokens: self.info.geometry.page_tokens,
             gemv_max_tokens: self.gemv_max_tokens,
+            gemv_max_weight_bytes: self.gemv_max_weight_bytes,
         };
         let graphs = self.graphs.as_mut().expect("only called with graphs on");
         graphs.replay(&self.device, bucket, || {
