@@ -2,12 +2,15 @@
 # The CUDA correctness suite on a GPU machine, from test binaries built elsewhere:
 #
 #     cargo test --release -p engine --no-run     # on the build machine; then copy, stripped,
+#     cargo test --release -p actors --test cuda --no-run
 #     # target/release/deps/{engine,cuda_parity,cuda_snapshots,cuda_hf_parity}-<hash> to
-#     # .carry/{engine,cuda_parity,cuda_snapshots,cuda_hf_parity}
+#     # .carry/{engine,cuda_parity,cuda_snapshots,cuda_hf_parity}, and actors' cuda-<hash> to
+#     # .carry/actors_cuda
 #     OUT=logs scripts/test_gpu.sh                 # on the GPU machine (python3 with torch and transformers)
 #
 # Kernels against CPU references, the CUDA backend against the CPU backend, snapshots across
-# tiers, and checkpoints written by transformers against transformers' own GPU forward.
+# tiers, checkpoints written by transformers against transformers' own GPU forward, and the
+# actors serving on the GPU.
 set -u
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
@@ -18,3 +21,4 @@ timeout 60 $C/cuda_snapshots --ignored --test-threads=1 > $OUT/snapshots.log 2>&
 timeout 200 $C/cuda_parity --ignored --nocapture --test-threads=1 > $OUT/parity.log 2>&1; grep -E "prefill logits|panicked|result" $OUT/parity.log
 timeout 150 python3 engine/tests/fixtures/make_hf_gpu_fixtures.py /tmp/hf > $OUT/fixtures.log 2>&1
 SNAPSERVE_HF_GPU_FIXTURES=/tmp/hf timeout 120 $C/cuda_hf_parity --ignored --nocapture > $OUT/hf.log 2>&1; grep -E "against|panicked|result" $OUT/hf.log
+timeout 300 $C/actors_cuda --ignored > $OUT/actors.log 2>&1; grep -E "^test |panicked|result" $OUT/actors.log

@@ -1,0 +1,119 @@
+//! The same actors serving on the CUDA backend (run on a GPU machine with `--ignored`): many
+//! concurrent requests finish, a shared prefix is restored from a snapshot held in device
+//! memory, and cancelled requests and finished ones give every page back. (Token-for-token
+//! equality with solo runs is a property of the CPU backend's batch-invariant kernels; cuBLAS
+//! picks its kernels by batch size, so on the GPU it is not asserted.)
+
+mod common;
+
+use actors::{Event, GenerateRequest};
+use common::*;
+use engine::DType;
+use engine::cuda::{CudaBackend, CudaOptions};
+use engine::model::ModelFiles;
+use engine::model::synthetic::{self, SyntheticSpec};
+use engine::sampling::SamplingParams;
+
+fn model() -> (tempfile::TempDir, ModelFiles) {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = SyntheticSpec {
+        dtype: DType::BF16,
+        max_position_embeddings: 1024,
+        ..SyntheticSpec::smollm2(5)
+    };
+    synthetic::write(dir.path(), &spec).unwrap();
+    let files = ModelFiles::open(dir.path()).unwrap();
+    (dir, files)
+}
+
+fn cuda_backend(files: &ModelFiles, pages: usize) -> CudaBackend {
+    CudaBackend::load(
+        files,
+        &CudaOptions {
+            device_snapshot_bytes: 64 << 20,
+            ..CudaOptions::for_tokens(pages * PAGE, 2048, 64)
+        },
+    )
+    .expect("these tests need a CUDA device")
+}
+
+#[actix_rt::test]
+#[ignore = "needs a CUDA device"]
+async fn the_actors_serve_on_the_gpu() {
+    let (_dir, files) = model();
+    let vocab = files.config.vocab_size;
+    let toml = "[admission]\nmax_running = 64\nstep_token_budget = 2048\n[snapshots]\nmin_save_tokens = 32\n";
+    let handles = actors::start(
+        Box::new(cuda_backend(&files, 1024)),
+        serve_config(&files, policies(toml)),
+    )
+    .unwrap();
+
+    let mut streams = Vec::new();
+    for i in 0..64 {
+        let params = SamplingParams {
+            ignore_eos: true,
+            ..greedy(8 + i as usize % 9)
+        };
+        streams.push(
+            handles
+                .submit(GenerateRequest {
+                    prompt: prompt(i, 5 + (i as usize * 13) % 120, vocab),
+                    params,
+                })
+                .await
+                .unwrap(),
+        );
+    }
+    for (i, stream) in streams.into_iter().enumerate() {
+        let completion = stream.collect().await;
+        assert!(finished(&completion), "request {i}: {:?}", completion.end);
+        assert_eq!(completion.tokens.len(), 8 + i % 9);
+    }
+    let stats = wait_idle(&handles).await;
+    assert_eq!(stats.scheduler.finished, 64);
+    assert!(
+        stats.memory.device_snapshot_bytes > 0,
+        "prompts were saved on the device: {stats:?}"
+    );
+
+    // A longer request sharing a saved prompt restores it.
+    let shared = prompt(40, 5 + (40 * 13) % 120, vocab);
+    let longer = GenerateRequest {
+        prompt: [shared.clone(), prompt(99, 20, vocab)].concat(),
+        params: greedy(6),
+    };
+    let hits = stats.store.hits;
+    let completion = handles.submit(longer).await.unwrap().collect().await;
+    assert!(finished(&completion));
+    let stats = wait_idle(&handles).await;
+    assert_eq!(stats.store.hits, hits + 1);
+    assert_eq!(
+        stats.scheduler.restored_tokens,
+        (shared.len() / PAGE * PAGE) as u64
+    );
+
+    // Cancelled mid-stream: every page comes back.
+    let mut streams = Vec::new();
+    for i in 0..16 {
+        let params = SamplingParams {
+            ignore_eos: true,
+            ..greedy(200)
+        };
+        streams.push(
+            handles
+                .submit(GenerateRequest {
+                    prompt: prompt(200 + i, 30, vocab),
+                    params,
+                })
+                .await
+                .unwrap(),
+        );
+    }
+    for stream in &mut streams {
+        assert!(matches!(stream.next().await, Some(Event::Token(_))));
+    }
+    drop(streams);
+    let stats = wait_idle(&handles).await;
+    assert_eq!(stats.pool.free_pages, stats.pool.total_pages);
+}
