@@ -23,22 +23,8 @@ async fn sixty_four_concurrent_greedy_requests_match_their_solo_runs() {
         policies("[admission]\nmax_running = 64\nmax_queue = 64\nstep_token_budget = 512\n"),
     );
     let handles = actors::start(Box::new(cpu_backend(&model.files, 1024)), config).unwrap();
-    let mut streams = Vec::new();
-    for request in &requests {
-        streams.push(handles.submit(request.clone()).await.unwrap());
-    }
-    for (i, (stream, expected)) in streams.into_iter().zip(&expected).enumerate() {
-        let completion = stream.collect().await;
-        assert!(
-            finished(&completion),
-            "request {i} ended with {:?}",
-            completion.end
-        );
-        assert_eq!(
-            &completion.tokens, expected,
-            "request {i} differs from its solo run"
-        );
-    }
+    let completions = run_all(&handles, &requests).await;
+    assert_match_solo(&completions, &expected, &[]);
     let stats = wait_idle(&handles).await;
     assert_eq!(stats.scheduler.finished, 64);
     // With 64 running and a 512-token budget, steps must have mixed prefill chunks and decodes.
@@ -76,15 +62,12 @@ async fn concurrent_requests_on_smollm2_match_their_solo_runs() {
         policies("[admission]\nmax_running = 8\nstep_token_budget = 64\n"),
     );
     let handles = actors::start(Box::new(cpu_backend(&files, 64)), config).unwrap();
-    let mut streams = Vec::new();
-    for request in &requests {
-        streams.push(handles.submit(request.clone()).await.unwrap());
-    }
-    for (i, (stream, expected)) in streams.into_iter().zip(&expected).enumerate() {
-        let completion = stream.collect().await;
-        assert!(finished(&completion), "request {i}: {:?}", completion.end);
-        assert_eq!(&completion.tokens, expected, "request {i} ({:?})", texts[i]);
-    }
+    let completions = run_all(&handles, &requests).await;
+    assert_match_solo(
+        &completions,
+        &expected,
+        &texts.iter().map(|t| t.to_string()).collect::<Vec<_>>(),
+    );
     wait_idle(&handles).await;
 }
 

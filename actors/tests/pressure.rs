@@ -33,18 +33,8 @@ async fn context_full_backs_off_then_preempts_by_snapshot_and_every_job_still_ma
     let expected: Vec<Vec<u32>> = requests.iter().map(|r| solo(&model.files, r)).collect();
     let config = serve_config(&model.files, policies(&crowded("preempt")));
     let handles = actors::start(Box::new(cpu_backend(&model.files, 24)), config).unwrap();
-    let mut streams = Vec::new();
-    for request in &requests {
-        streams.push(handles.submit(request.clone()).await.unwrap());
-    }
-    for (i, (stream, expected)) in streams.into_iter().zip(&expected).enumerate() {
-        let completion = stream.collect().await;
-        assert!(finished(&completion), "request {i}: {:?}", completion.end);
-        assert_eq!(
-            &completion.tokens, expected,
-            "request {i} changed under preemption"
-        );
-    }
+    let completions = run_all(&handles, &requests).await;
+    assert_match_solo(&completions, &expected, &[]);
     let stats = wait_idle(&handles).await;
     assert!(stats.scheduler.backoffs > 0, "no job backed off: {stats:?}");
     assert!(

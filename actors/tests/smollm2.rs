@@ -90,19 +90,12 @@ async fn preemption_by_snapshot_on_smollm2_keeps_every_output() {
         serve_config(&files, policies(toml)),
     )
     .unwrap();
-    let mut streams = Vec::new();
-    for request in &requests {
-        streams.push(handles.submit(request.clone()).await.unwrap());
-    }
-    for (i, (stream, expected)) in streams.into_iter().zip(&expected).enumerate() {
-        let completion = stream.collect().await;
-        assert!(finished(&completion), "request {i}: {:?}", completion.end);
-        assert_eq!(
-            &completion.tokens, expected,
-            "request {i} ({:?})",
-            questions[i]
-        );
-    }
+    let completions = run_all(&handles, &requests).await;
+    assert_match_solo(
+        &completions,
+        &expected,
+        &questions.iter().map(|q| q.to_string()).collect::<Vec<_>>(),
+    );
     let stats = wait_idle(&handles).await;
     assert!(
         stats.scheduler.preemptions > 0 && stats.store.hits > 0,

@@ -119,6 +119,35 @@ pub fn solo(files: &ModelFiles, request: &GenerateRequest) -> Vec<u32> {
     .tokens
 }
 
+/// Submits every request (so they all run together), then reads each stream to its end.
+pub async fn run_all(handles: &Handles, requests: &[GenerateRequest]) -> Vec<Completion> {
+    let mut streams = Vec::new();
+    for request in requests {
+        streams.push(handles.submit(request.clone()).await.unwrap());
+    }
+    let mut completions = Vec::new();
+    for stream in streams {
+        completions.push(stream.collect().await);
+    }
+    completions
+}
+
+/// Asserts that each request finished with exactly the tokens of its solo run.
+pub fn assert_match_solo(completions: &[Completion], expected: &[Vec<u32>], labels: &[String]) {
+    for (i, (completion, expected)) in completions.iter().zip(expected).enumerate() {
+        let label = labels.get(i).map_or(String::new(), |l| format!(" ({l})"));
+        assert!(
+            finished(completion),
+            "request {i}{label} ended with {:?}",
+            completion.end
+        );
+        assert_eq!(
+            &completion.tokens, expected,
+            "request {i}{label} differs from its solo run"
+        );
+    }
+}
+
 pub fn finished(completion: &Completion) -> bool {
     matches!(
         completion.end,
