@@ -4,12 +4,16 @@
 //!
 //!     cargo bench -p actors --bench scheduling
 //!
-//! Prints, for each batch size, the mean time of one step over a few thousand steps of steady
-//! decoding (every sequence running, one token each per step).
+//! Prints, for each batch size, the mean time of one decode step (every sequence running, one
+//! token each) over a few thousand steps of steady decoding: through the actors, and on one
+//! thread with no messages (the planning alone). Each for `decode_steps` 1 and 8 (override
+//! with `DECODE_STEPS=1,4`; batch sizes with `BATCHES=1,32,256`): with 8, one scheduler step
+//! hands the engine up to 8 decode steps. Callers read their streams as tokens arrive.
 
 use std::time::{Duration, Instant};
 
-use actors::{GenerateRequest, ServeConfig};
+use actors::scheduler::Scheduler;
+use actors::{GenerateRequest, Parts, ServeConfig};
 use cache::{BackingId, KvGeometry, PageCopy, Tier};
 use engine::EngineError;
 use engine::backend::{Backend, BackendInfo, MemoryReport, StepOutput, StepPlan};
@@ -33,17 +37,16 @@ impl Backend for NullBackend {
 
     fn step(&mut self, plan: &StepPlan) -> Result<StepOutput, EngineError> {
         plan.validate(&self.info)?;
+        let logit_rows: usize = plan.rows.iter().map(|row| row.logit_rows()).sum();
         let mut output = StepOutput {
             vocab_size: VOCAB,
-            logits: Vec::new(),
+            logits: vec![0.0; logit_rows * VOCAB],
             row_ranges: Vec::with_capacity(plan.rows.len()),
         };
+        let mut start = 0;
         for row in &plan.rows {
-            let start = output.logits.len() / VOCAB;
-            output
-                .logits
-                .resize((start + row.logit_rows()) * VOCAB, 0.0);
             output.row_ranges.push(start..start + row.logit_rows());
+            start += row.logit_rows();
         }
         Ok(output)
     }
@@ -68,7 +71,7 @@ impl Backend for NullBackend {
     }
 }
 
-async fn measure(batch: usize) -> Duration {
+fn setup(batch: usize, decode_steps: usize) -> (NullBackend, ServeConfig) {
     let geometry = KvGeometry {
         layers: 30,
         kv_heads: 3,
@@ -84,7 +87,7 @@ async fn measure(batch: usize) -> Duration {
         max_positions: 8192,
     };
     let toml = format!(
-        "[cache]\npage_tokens = {PAGE}\n[admission]\nmax_running = {batch}\nmax_queue = {batch}\nstep_token_budget = {}\n",
+        "[cache]\npage_tokens = {PAGE}\n[admission]\nmax_running = {batch}\nmax_queue = {batch}\nstep_token_budget = {}\ndecode_steps = {decode_steps}\n",
         batch.max(64) * 16
     );
     let config = ServeConfig {
@@ -93,42 +96,96 @@ async fn measure(batch: usize) -> Duration {
         eos_token_ids: vec![],
         seed: 1,
     };
-    let handles = actors::start(Box::new(NullBackend { info }), config).unwrap();
-    // Long enough that no sequence finishes while the window is timed.
+    (NullBackend { info }, config)
+}
+
+/// The requests of one run: long enough that no sequence finishes while the window is timed.
+fn requests(batch: usize) -> impl Iterator<Item = GenerateRequest> {
     let params = SamplingParams {
         max_tokens: 8000,
         ignore_eos: true,
         ..SamplingParams::default()
     };
-    let mut streams = Vec::new();
-    for i in 0..batch {
-        let prompt = (0..32)
+    (0..batch).map(move |i| GenerateRequest {
+        prompt: (0..32)
             .map(|t| ((t + i) % (VOCAB - 1)) as u32 + 1)
-            .collect();
-        streams.push(
-            handles
-                .submit(GenerateRequest {
-                    prompt,
-                    params: params.clone(),
-                })
-                .await
-                .unwrap(),
-        );
+            .collect(),
+        params: params.clone(),
+    })
+}
+
+/// The same step loop as the `Admission` actor's, on one thread with no messages: the planning
+/// and bookkeeping alone.
+fn measure_inline(batch: usize, decode_steps: usize) -> Duration {
+    let (backend, config) = setup(batch, decode_steps);
+    let Parts {
+        mut scheduler,
+        mut pool,
+        mut store,
+        mut engine,
+        ..
+    } = actors::build(Box::new(backend), config).unwrap();
+    let mut streams: Vec<_> = requests(batch)
+        .map(|r| scheduler.submit(r).unwrap())
+        .collect();
+    let mut step = |scheduler: &mut Scheduler| {
+        let now = Instant::now();
+        let lookups = scheduler.begin_step(now);
+        let replies = lookups.into_iter().map(|op| store.apply(op)).collect();
+        let ops = scheduler.plan_pool(replies);
+        let (replies, stats) = if ops.is_empty() {
+            (Vec::new(), None)
+        } else {
+            let replies = ops.into_iter().map(|op| pool.apply(op)).collect();
+            (replies, Some(pool.stats()))
+        };
+        let ops = scheduler.plan_store(replies, stats, now);
+        let replies = ops.into_iter().map(|op| store.apply(op)).collect();
+        let reply = scheduler.plan_engine(replies).map(|s| engine.run(s));
+        scheduler.finish_step(reply, now);
+    };
+    // Callers read their tokens as they come, as a server's response streams do.
+    let drain = |streams: &mut Vec<actors::RequestStream>| {
+        for stream in streams.iter_mut() {
+            while stream.try_next().is_some() {}
+        }
+    };
+    for _ in 0..50 {
+        step(&mut scheduler);
+        drain(&mut streams);
     }
-    // Warm up until every sequence is decoding, then time a window of steps.
-    let steps_now = || async { handles.stats().await.scheduler.steps };
-    while steps_now().await < 50 {
+    let (start, first) = (Instant::now(), scheduler.stats().generated_tokens);
+    while scheduler.stats().generated_tokens - first < WINDOW_STEPS * batch as u64 {
+        step(&mut scheduler);
+        drain(&mut streams);
+    }
+    let decoded = (scheduler.stats().generated_tokens - first) / batch as u64;
+    start.elapsed() / decoded as u32
+}
+
+async fn measure(batch: usize, decode_steps: usize) -> Duration {
+    let (backend, config) = setup(batch, decode_steps);
+    let handles = actors::start(Box::new(backend), config).unwrap();
+    for request in requests(batch) {
+        let mut stream = handles.submit(request).await.unwrap();
+        actix_rt::spawn(async move { while stream.next().await.is_some() {} });
+    }
+    // Warm up until every sequence is decoding, then time a window of decode steps.
+    let tokens_now = || async { handles.stats().await.scheduler.generated_tokens };
+    while tokens_now().await < 50 * batch as u64 {
         actix_rt::time::sleep(Duration::from_millis(1)).await;
     }
-    let (start, first) = (Instant::now(), steps_now().await);
+    let (start, first) = (Instant::now(), tokens_now().await);
     let mut last = first;
-    while last - first < WINDOW_STEPS {
+    while last - first < WINDOW_STEPS * batch as u64 {
         actix_rt::time::sleep(Duration::from_millis(1)).await;
-        last = steps_now().await;
+        last = tokens_now().await;
     }
     let elapsed = start.elapsed();
-    drop(streams);
-    elapsed / (last - first) as u32
+    for id in 0..batch {
+        handles.cancel(actors::RequestId(id as u64));
+    }
+    elapsed / ((last - first) / batch as u64) as u32
 }
 
 fn main() {
@@ -137,20 +194,35 @@ fn main() {
         "scheduling overhead per step, {} cores",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
-    println!(
-        "{:>6} {:>14} {:>16}",
-        "batch", "µs per step", "µs per sequence"
-    );
-    let batches: Vec<usize> = match std::env::var("BATCHES") {
+    let list = |var: &str, default: &[usize]| match std::env::var(var) {
         Ok(list) => list
             .split(',')
-            .map(|b| b.parse().expect("BATCHES is a comma-separated list"))
+            .map(|b| b.parse().expect("a comma-separated list of numbers"))
             .collect(),
-        Err(_) => vec![1, 32, 256],
+        Err(_) => default.to_vec(),
     };
+    let batches = list("BATCHES", &[1, 32, 256]);
+    let decode_steps = list("DECODE_STEPS", &[1, 8]);
+    println!(
+        "{:>6} {:>12} {:>18} {:>18} {:>22}",
+        "batch", "decode_steps", "µs per decode step", "µs per sequence", "one thread: µs/step"
+    );
     for batch in batches {
-        let per_step = system.block_on(measure(batch));
-        let micros = per_step.as_secs_f64() * 1e6;
-        println!("{batch:>6} {micros:>14.1} {:>16.2}", micros / batch as f64);
+        for &k in &decode_steps {
+            // `ONLY=inline` or `ONLY=actors` runs one of the two (for a profiler).
+            let only = std::env::var("ONLY").unwrap_or_default();
+            let micros = match only.as_str() {
+                "inline" => f64::NAN,
+                _ => system.block_on(measure(batch, k)).as_secs_f64() * 1e6,
+            };
+            let inline = match only.as_str() {
+                "actors" => f64::NAN,
+                _ => measure_inline(batch, k).as_secs_f64() * 1e6,
+            };
+            println!(
+                "{batch:>6} {k:>12} {micros:>18.1} {:>18.2} {inline:>22.1}",
+                micros / batch as f64
+            );
+        }
     }
 }

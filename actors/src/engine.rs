@@ -5,19 +5,30 @@
 //! room for new snapshots (free or demote evicted ones), restore snapshots into pool pages,
 //! run the forward pass and sample, then copy finished prompts into their snapshot buffers.
 //! Each part reports its own outcome, so one failure costs only the requests it touched.
+//!
+//! A step may ask for several decode steps ([`EngineStep::row_steps`]): the engine then runs
+//! the forward pass again on the rows still going, each fed the token it just sampled, so the
+//! scheduler's overhead is paid once for all of them.
 
 use actix::{Actor, Handler, Message, MessageResult, SyncContext};
 use cache::{BackingId, Eviction, PageCopy, SnapshotId, Tier};
-use engine::backend::{Backend, MemoryReport, StepPlan};
+use engine::backend::{Backend, MemoryReport, RowPlan, StepPlan};
 use engine::sampling::Sampler;
+
+use crate::request::is_stop_token;
 
 pub struct Engine {
     backend: Box<dyn Backend>,
+    /// The model's end-of-sequence tokens: a row of a multi-step decode stops after one.
+    eos_token_ids: Vec<u32>,
 }
 
 impl Engine {
-    pub fn new(backend: Box<dyn Backend>) -> Self {
-        Engine { backend }
+    pub fn new(backend: Box<dyn Backend>, eos_token_ids: Vec<u32>) -> Self {
+        Engine {
+            backend,
+            eos_token_ids,
+        }
     }
 }
 
@@ -50,15 +61,57 @@ pub struct EngineStep {
     pub plan: StepPlan,
     /// One per plan row: rows with a sampler get their next token.
     pub samplers: Vec<Option<Box<Sampler>>>,
+    /// Empty for one step. Otherwise one per plan row, every row one token with a sampler:
+    /// row `i` runs up to `row_steps[i]` decode steps, each fed the token the one before
+    /// sampled, and stops early after a stop token of its sampler or the model's.
+    pub row_steps: Vec<usize>,
     pub saves: Vec<SaveCopy>,
+}
+
+/// The tokens each plan row sampled, in order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SampledTokens {
+    /// Room per row: the most steps any row ran.
+    stride: usize,
+    /// Row `i`'s tokens are `tokens[i * stride..][..counts[i]]`.
+    tokens: Vec<u32>,
+    counts: Vec<usize>,
+}
+
+impl SampledTokens {
+    fn new(rows: usize, stride: usize) -> Self {
+        SampledTokens {
+            stride,
+            tokens: vec![0; rows * stride],
+            counts: vec![0; rows],
+        }
+    }
+
+    /// The tokens row `i` sampled, first to last.
+    pub fn row(&self, i: usize) -> &[u32] {
+        &self.tokens[i * self.stride..][..self.counts[i]]
+    }
+
+    pub fn rows(&self) -> usize {
+        self.counts.len()
+    }
+
+    fn push(&mut self, i: usize, token: u32) {
+        self.tokens[i * self.stride + self.counts[i]] = token;
+        self.counts[i] += 1;
+    }
+
+    fn last(&self, i: usize) -> Option<u32> {
+        self.row(i).last().copied()
+    }
 }
 
 pub struct EngineStepReply {
     /// Evictions that were demotions, and whether the copy to the host tier worked.
     pub demotions: Vec<(SnapshotId, bool)>,
     pub restores: Vec<Result<(), String>>,
-    /// The sampled token of each row, or why the forward pass failed.
-    pub forward: Result<Vec<Option<u32>>, String>,
+    /// The tokens each row sampled, or why the forward pass failed.
+    pub forward: Result<SampledTokens, String>,
     /// The samplers, handed back in row order.
     pub samplers: Vec<Option<Box<Sampler>>>,
     pub saves: Vec<Result<(), String>>,
@@ -133,18 +186,130 @@ impl Engine {
 
     fn forward(
         &mut self,
-        plan: &StepPlan,
+        plan: &mut StepPlan,
         samplers: &mut [Option<Box<Sampler>>],
-    ) -> Result<Vec<Option<u32>>, String> {
-        if plan.rows.is_empty() {
-            return Ok(Vec::new());
+        row_steps: &[usize],
+    ) -> Result<SampledTokens, String> {
+        let rows = plan.rows.len();
+        if rows == 0 {
+            return Ok(SampledTokens::default());
         }
+        let steps = row_steps.iter().copied().max().unwrap_or(1);
+        if steps > 1 {
+            check_multi_step(plan, samplers, row_steps)?;
+        }
+        let mut sampled = SampledTokens::new(rows, steps);
         let mut lent: Vec<Option<&mut Sampler>> =
             samplers.iter_mut().map(|s| s.as_deref_mut()).collect();
-        self.backend
+        let first = self
+            .backend
             .step_and_sample(plan, &mut lent)
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        for (i, token) in first.into_iter().enumerate() {
+            if let Some(token) = token {
+                sampled.push(i, token);
+            }
+        }
+        if steps == 1 {
+            return Ok(sampled);
+        }
+        // Further decode steps run on the rows still going, kept at the front of the plan;
+        // the plan goes back in its own order whatever happens, since its rows carry the
+        // jobs' page tables.
+        let mut order: Vec<usize> = (0..rows).collect();
+        let mut parked: Vec<(usize, RowPlan)> = Vec::new();
+        let result = self.decode_more(
+            plan,
+            &mut lent,
+            row_steps,
+            &mut sampled,
+            &mut order,
+            &mut parked,
+        );
+        if !parked.is_empty() {
+            let mut all: Vec<(usize, RowPlan)> =
+                order.into_iter().zip(plan.rows.drain(..)).collect();
+            all.append(&mut parked);
+            all.sort_unstable_by_key(|(i, _)| *i);
+            plan.rows.extend(all.into_iter().map(|(_, row)| row));
+        }
+        result.map(|()| sampled)
     }
+
+    /// Decode steps 2 and on of a multi-step decode. `order[r]` is the original index of plan
+    /// row `r`; rows that stop move to `parked`.
+    fn decode_more(
+        &mut self,
+        plan: &mut StepPlan,
+        lent: &mut Vec<Option<&mut Sampler>>,
+        row_steps: &[usize],
+        sampled: &mut SampledTokens,
+        order: &mut Vec<usize>,
+        parked: &mut Vec<(usize, RowPlan)>,
+    ) -> Result<(), String> {
+        let steps = row_steps.iter().copied().max().unwrap_or(1);
+        for step in 1..steps {
+            let mut kept = 0;
+            for r in 0..plan.rows.len() {
+                let i = order[r];
+                let params = lent[r].as_deref().expect("checked above").params();
+                let last = sampled.last(i).expect("every row sampled");
+                if step < row_steps[i] && !is_stop_token(params, &self.eos_token_ids, last) {
+                    plan.rows.swap(kept, r);
+                    lent.swap(kept, r);
+                    order.swap(kept, r);
+                    kept += 1;
+                }
+            }
+            parked.extend(order.drain(kept..).zip(plan.rows.drain(kept..)));
+            lent.truncate(kept);
+            if kept == 0 {
+                break;
+            }
+            for (row, &i) in plan.rows.iter_mut().zip(order.iter()) {
+                row.start_pos += 1;
+                row.tokens[0] = sampled.last(i).expect("every row sampled");
+            }
+            let tokens = self
+                .backend
+                .step_and_sample(plan, lent)
+                .map_err(|e| e.to_string())?;
+            for (&i, token) in order.iter().zip(tokens) {
+                sampled.push(i, token.expect("every row samples"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A multi-step decode needs every row to be one token with a sampler.
+fn check_multi_step(
+    plan: &StepPlan,
+    samplers: &[Option<Box<Sampler>>],
+    row_steps: &[usize],
+) -> Result<(), String> {
+    if row_steps.len() != plan.rows.len() {
+        return Err(format!(
+            "{} row step counts for {} rows",
+            row_steps.len(),
+            plan.rows.len()
+        ));
+    }
+    for (i, (row, sampler)) in plan.rows.iter().zip(samplers).enumerate() {
+        if row.tokens.len() != 1 || sampler.is_none() || row_steps[i] == 0 {
+            return Err(format!(
+                "row {i} cannot take part in a multi-step decode: {} tokens, {}, {} steps",
+                row.tokens.len(),
+                if sampler.is_some() {
+                    "a sampler"
+                } else {
+                    "no sampler"
+                },
+                row_steps[i]
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl Engine {
@@ -160,7 +325,7 @@ impl Engine {
                     .map_err(|e| e.to_string())
             })
             .collect();
-        let forward = self.forward(&step.plan, &mut step.samplers);
+        let forward = self.forward(&mut step.plan, &mut step.samplers, &step.row_steps);
         let saves = match &forward {
             Ok(_) => step.saves.iter().map(|s| self.save(s)).collect(),
             Err(e) => step

@@ -25,4 +25,4 @@ pub use error::ServeError;
 pub use request::{
     Completion, Event, FinishReason, GenerateRequest, RequestId, RequestStream, Usage,
 };
-pub use start::{Handles, ServeConfig, Stats, start};
+pub use start::{Handles, Parts, ServeConfig, Stats, build, start};

@@ -30,6 +30,12 @@ pub enum FinishReason {
     Length,
 }
 
+/// Whether `token` ends a request with `params` as [`FinishReason::Stop`]: one of its stop
+/// token ids, or the model's end of sequence unless it ignores that.
+pub fn is_stop_token(params: &SamplingParams, eos_token_ids: &[u32], token: u32) -> bool {
+    params.stop_token_ids.contains(&token) || (!params.ignore_eos && eos_token_ids.contains(&token))
+}
+
 /// Token counts of a finished request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
@@ -56,11 +62,22 @@ impl Event {
     }
 }
 
+/// What the scheduler sends down a request's channel: the tokens of one step together (one
+/// channel operation for a multi-step decode's several), then the terminal event.
+#[derive(Debug)]
+pub(crate) enum Delivery {
+    Token(u32),
+    Tokens(Vec<u32>),
+    End(Event),
+}
+
 /// The caller's end of a request.
 #[derive(Debug)]
 pub struct RequestStream {
     pub id: RequestId,
-    pub(crate) events: mpsc::UnboundedReceiver<Event>,
+    pub(crate) events: mpsc::UnboundedReceiver<Delivery>,
+    /// Tokens of a batch not yet handed out.
+    pending: std::vec::IntoIter<u32>,
 }
 
 /// A whole request's output: its tokens and how it ended.
@@ -71,9 +88,41 @@ pub struct Completion {
 }
 
 impl RequestStream {
+    pub(crate) fn new(id: RequestId, events: mpsc::UnboundedReceiver<Delivery>) -> Self {
+        RequestStream {
+            id,
+            events,
+            pending: Vec::new().into_iter(),
+        }
+    }
+
     /// The next event, or `None` once the terminal event has been read.
     pub async fn next(&mut self) -> Option<Event> {
-        self.events.recv().await
+        if let Some(token) = self.pending.next() {
+            return Some(Event::Token(token));
+        }
+        let delivery = self.events.recv().await?;
+        Some(self.unpack(delivery))
+    }
+
+    /// The next event if one is waiting, without waiting for one.
+    pub fn try_next(&mut self) -> Option<Event> {
+        if let Some(token) = self.pending.next() {
+            return Some(Event::Token(token));
+        }
+        let delivery = self.events.try_recv().ok()?;
+        Some(self.unpack(delivery))
+    }
+
+    fn unpack(&mut self, delivery: Delivery) -> Event {
+        match delivery {
+            Delivery::Token(token) => Event::Token(token),
+            Delivery::Tokens(tokens) => {
+                self.pending = tokens.into_iter();
+                Event::Token(self.pending.next().expect("a batch is never empty"))
+            }
+            Delivery::End(event) => event,
+        }
     }
 
     /// Reads every event up to the terminal one.

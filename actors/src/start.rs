@@ -45,10 +45,21 @@ pub struct Stats {
     pub memory: MemoryReport,
 }
 
-/// Starts the four actors on the current actix system; the backend moves to its own thread.
+/// The four actors' states before they start: what [`start`] runs, and what a benchmark or
+/// test can drive on one thread without messages.
+pub struct Parts {
+    pub scheduler: Scheduler,
+    pub pool: KvPool,
+    pub store: SnapshotStore,
+    pub engine: Engine,
+    /// The `Admission` mailbox's capacity.
+    pub mailbox: usize,
+}
+
+/// Builds the actors' states around a backend.
 ///
 /// Fails when the configuration does not fit the backend (its pages are another size).
-pub fn start(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Handles, ServeError> {
+pub fn build(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Parts, ServeError> {
     let info = backend.info().clone();
     let policies = &config.policies;
     let page_tokens = info.geometry.page_tokens;
@@ -76,6 +87,7 @@ pub fn start(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Handles, 
         max_queue: policies.admission.max_queue(),
         max_running,
         step_token_budget: policies.admission.step_token_budget(),
+        decode_steps: policies.admission.decode_steps(),
         page_tokens,
         total_pages: info.num_pages,
         context_tokens: info.max_positions,
@@ -89,21 +101,34 @@ pub fn start(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Handles, 
         salt: PrefixSalt::new(&config.model_id, None),
         seed: config.seed,
     });
-    // The arbiter asks for a factory it may call again; the backend exists once.
-    let backend = std::sync::Mutex::new(Some(backend));
-    let engine = SyncArbiter::start(1, move || {
-        let backend = backend.lock().expect("no panic holds this lock").take();
-        Engine::new(backend.expect("the engine actor is created once"))
-    });
-    let pool = KvPool::new(pool).start();
-    let store = SnapshotStore::new(store).start();
-    let mailbox = policies.admission.max_queue() + 64;
-    let admission = Admission::new(
+    Ok(Parts {
         scheduler,
+        pool: KvPool::new(pool),
+        store: SnapshotStore::new(store),
+        engine: Engine::new(backend, config.eos_token_ids.clone()),
+        mailbox: policies.admission.max_queue() + 64,
+    })
+}
+
+/// Starts the four actors on the current actix system; the backend moves to its own thread.
+///
+/// Fails when the configuration does not fit the backend (its pages are another size).
+pub fn start(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Handles, ServeError> {
+    let parts = build(backend, config)?;
+    // The arbiter asks for a factory it may call again; the engine exists once.
+    let engine = std::sync::Mutex::new(Some(parts.engine));
+    let engine = SyncArbiter::start(1, move || {
+        let engine = engine.lock().expect("no panic holds this lock").take();
+        engine.expect("the engine actor is created once")
+    });
+    let pool = parts.pool.start();
+    let store = parts.store.start();
+    let admission = Admission::new(
+        parts.scheduler,
         pool.clone(),
         store.clone(),
         engine.clone(),
-        mailbox,
+        parts.mailbox,
     )
     .start();
     Ok(Handles {

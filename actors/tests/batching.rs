@@ -104,3 +104,66 @@ async fn every_request_ends_with_exactly_one_terminal_event() {
         assert_eq!(terminal, 1);
     }
 }
+
+#[actix_rt::test]
+async fn multi_step_decoding_on_smollm2_gives_every_request_its_solo_tokens() {
+    let files = engine::model::ModelFiles::open(&smollm2()).unwrap();
+    let texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a village by the sea,",
+        "1, 2, 3, 4,",
+        "<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n",
+        "The quick brown fox",
+        "Water boils at",
+        "In 1492,",
+    ];
+    // Greedy and seeded sampled requests, max_tokens that are not multiples of the 4 steps,
+    // and stop token ids taken from a request's own solo run, so that rows stop part-way
+    // through a multi-step decode.
+    let mut requests: Vec<GenerateRequest> = texts
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let mut params = greedy(9 + 3 * i);
+            if i % 2 == 1 {
+                params.temperature = 0.8;
+                params.seed = Some(100 + i as u64);
+            }
+            GenerateRequest {
+                prompt: files.tokenizer.encode_rendered(t).unwrap(),
+                params,
+            }
+        })
+        .collect();
+    for request in requests.iter_mut().skip(2).step_by(3) {
+        let tokens = solo(&files, request);
+        request.params.stop_token_ids = vec![tokens[tokens.len() / 2]];
+    }
+    let expected: Vec<Vec<u32>> = requests.iter().map(|r| solo(&files, r)).collect();
+    let stopped = requests
+        .iter()
+        .zip(&expected)
+        .filter(|(r, e)| e.len() < r.params.max_tokens && e.len() % 4 != 0)
+        .count();
+    assert!(stopped > 0, "some request stops part-way through 4 steps");
+
+    let config = serve_config(
+        &files,
+        policies("[admission]\nmax_running = 8\nstep_token_budget = 256\ndecode_steps = 4\n"),
+    );
+    let handles = actors::start(Box::new(cpu_backend(&files, 64)), config).unwrap();
+    let completions = run_all(&handles, &requests).await;
+    assert_match_solo(
+        &completions,
+        &expected,
+        &texts.iter().map(|t| t.to_string()).collect::<Vec<_>>(),
+    );
+    let stats = wait_idle(&handles).await;
+    let longest = expected.iter().map(Vec::len).max().unwrap();
+    assert!(
+        (stats.scheduler.steps as usize) < longest,
+        "{} steps for {longest} tokens: no step ran several decode steps",
+        stats.scheduler.steps
+    );
+}

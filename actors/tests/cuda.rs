@@ -117,3 +117,53 @@ async fn the_actors_serve_on_the_gpu() {
     let stats = wait_idle(&handles).await;
     assert_eq!(stats.pool.free_pages, stats.pool.total_pages);
 }
+
+/// Runs `requests` together on a fresh GPU backend with `decode_steps`; returns the tokens
+/// and how many scheduler steps it took.
+async fn serve_on_gpu(
+    files: &ModelFiles,
+    requests: &[GenerateRequest],
+    decode_steps: usize,
+) -> (Vec<Vec<u32>>, u64) {
+    let toml = format!("[admission]\nmax_running = 64\ndecode_steps = {decode_steps}\n");
+    let handles = actors::start(
+        Box::new(cuda_backend(files, 1024)),
+        serve_config(files, policies(&toml)),
+    )
+    .unwrap();
+    let completions = run_all(&handles, requests).await;
+    for (i, completion) in completions.iter().enumerate() {
+        assert!(finished(completion), "request {i}: {:?}", completion.end);
+    }
+    let stats = wait_idle(&handles).await;
+    let tokens = completions.into_iter().map(|c| c.tokens).collect();
+    (tokens, stats.scheduler.steps)
+}
+
+#[actix_rt::test]
+#[ignore = "needs a CUDA device"]
+async fn multi_step_decoding_on_the_gpu_feeds_back_the_sampled_tokens() {
+    let (_dir, files) = model();
+    let vocab = files.config.vocab_size;
+    // Same lengths, so every decode step has the same batch as with one step at a time and
+    // cuBLAS picks the same kernels: the tokens must be equal, bit for bit.
+    let requests: Vec<GenerateRequest> = (0..16)
+        .map(|i| GenerateRequest {
+            prompt: prompt(300 + i, 5 + (i as usize * 11) % 90, vocab),
+            params: SamplingParams {
+                ignore_eos: true,
+                ..greedy(30)
+            },
+        })
+        .collect();
+    let (one, one_steps) = serve_on_gpu(&files, &requests, 1).await;
+    let (four, four_steps) = serve_on_gpu(&files, &requests, 4).await;
+    assert_eq!(
+        one, four,
+        "4 decode steps per scheduler step change the tokens"
+    );
+    assert!(
+        four_steps * 2 < one_steps,
+        "{four_steps} scheduler steps with decode_steps = 4, {one_steps} with 1"
+    );
+}

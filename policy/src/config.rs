@@ -131,6 +131,12 @@ pub struct AdmissionConfig {
     pub max_running: usize,
     /// Tokens (prefill chunks plus decode rows) one engine step may process.
     pub step_token_budget: usize,
+    /// Decode steps the engine runs per scheduler step when every running sequence is
+    /// decoding and nothing waits in the queue, feeding each sampled token back itself. More
+    /// than 1 divides the scheduling overhead between engine steps by that much; the cost is
+    /// that a request arriving meanwhile waits up to that many steps to be admitted, and a
+    /// sequence that stops early holds its pages until the batch's last step.
+    pub decode_steps: usize,
 }
 
 impl Default for CacheConfig {
@@ -176,6 +182,7 @@ impl Default for AdmissionConfig {
             max_queue: 256,
             max_running: 32,
             step_token_budget: 2_048,
+            decode_steps: 1,
         }
     }
 }
@@ -246,6 +253,7 @@ pub struct AdmissionPolicy {
     max_queue: usize,
     max_running: usize,
     step_token_budget: usize,
+    decode_steps: usize,
 }
 
 impl AdmissionPolicy {
@@ -257,6 +265,9 @@ impl AdmissionPolicy {
     }
     pub fn step_token_budget(&self) -> usize {
         self.step_token_budget
+    }
+    pub fn decode_steps(&self) -> usize {
+        self.decode_steps
     }
 }
 
@@ -400,6 +411,9 @@ impl BackoffConfig {
     }
 }
 
+/// The most decode steps one scheduler step may hand the engine.
+pub const MAX_DECODE_STEPS: usize = 64;
+
 impl AdmissionConfig {
     pub fn validate(&self) -> Result<AdmissionPolicy, PolicyError> {
         require(self.max_queue >= 1, "admission.max_queue", || {
@@ -413,10 +427,17 @@ impl AdmissionConfig {
         require(budget >= running, "admission.step_token_budget", || {
             format!("must be >= admission.max_running ({running}), got {budget}")
         })?;
+        let steps = self.decode_steps;
+        require(
+            (1..=MAX_DECODE_STEPS).contains(&steps),
+            "admission.decode_steps",
+            || format!("must be between 1 and {MAX_DECODE_STEPS}, got {steps}"),
+        )?;
         Ok(AdmissionPolicy {
             max_queue: self.max_queue,
             max_running: self.max_running,
             step_token_budget: self.step_token_budget,
+            decode_steps: self.decode_steps,
         })
     }
 }
@@ -553,6 +574,14 @@ mod tests {
         assert_eq!(
             invalid_key("[admission]\nmax_running = 64\nstep_token_budget = 32"),
             "admission.step_token_budget"
+        );
+        assert_eq!(
+            invalid_key("[admission]\ndecode_steps = 0"),
+            "admission.decode_steps"
+        );
+        assert_eq!(
+            invalid_key("[admission]\ndecode_steps = 65"),
+            "admission.decode_steps"
         );
     }
 

@@ -13,7 +13,7 @@ use policy::Backoff;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ServeError;
-use crate::request::{Event, FinishReason, RequestId, Usage};
+use crate::request::{Delivery, Event, FinishReason, RequestId, Usage};
 
 /// The pages a running job holds.
 #[derive(Debug)]
@@ -28,7 +28,7 @@ pub(crate) struct Slot {
 #[derive(Debug)]
 pub(crate) struct Job {
     pub id: RequestId,
-    events: UnboundedSender<Event>,
+    events: UnboundedSender<Delivery>,
     pub tokens: Vec<u32>,
     pub prompt_len: usize,
     /// Most tokens it may generate (already clipped to the model's context).
@@ -57,7 +57,7 @@ impl Job {
         prompt: Vec<u32>,
         max_new: usize,
         sampler: Sampler,
-        events: UnboundedSender<Event>,
+        events: UnboundedSender<Delivery>,
         submitted_at: Instant,
     ) -> Self {
         let usage = Usage {
@@ -113,9 +113,15 @@ impl Job {
         &self.chain[..pages]
     }
 
-    pub fn emit_token(&self, token: u32) {
+    /// Sends the caller the tokens of one step, in one channel operation.
+    pub fn emit_tokens(&self, tokens: &[u32]) {
+        let delivery = match tokens {
+            [] => return,
+            &[token] => Delivery::Token(token),
+            tokens => Delivery::Tokens(tokens.to_vec()),
+        };
         // A closed channel is a cancelled request; the next sweep removes it.
-        let _ = self.events.send(Event::Token(token));
+        let _ = self.events.send(delivery);
     }
 
     pub fn finish(self, reason: FinishReason) {
@@ -123,14 +129,16 @@ impl Job {
             completion_tokens: self.generated(),
             ..self.usage
         };
-        let _ = self.events.send(Event::Finished { reason, usage });
+        let _ = self
+            .events
+            .send(Delivery::End(Event::Finished { reason, usage }));
     }
 
     pub fn fail(self, error: ServeError) {
-        let _ = self.events.send(Event::Failed(error));
+        let _ = self.events.send(Delivery::End(Event::Failed(error)));
     }
 
     pub fn cancel(self) {
-        let _ = self.events.send(Event::Cancelled);
+        let _ = self.events.send(Delivery::End(Event::Cancelled));
     }
 }

@@ -45,6 +45,9 @@ pub struct SchedulerConfig {
     pub max_queue: usize,
     pub max_running: usize,
     pub step_token_budget: usize,
+    /// Decode steps one engine step may run when nothing else is to be done (see
+    /// `policy::AdmissionConfig::decode_steps`).
+    pub decode_steps: usize,
     pub page_tokens: usize,
     pub total_pages: usize,
     /// The most positions a sequence may reach.
@@ -70,7 +73,10 @@ pub struct SchedulerStats {
     pub cancelled: u64,
     pub backoffs: u64,
     pub preemptions: u64,
+    /// Scheduler steps; one may run several decode steps.
     pub steps: u64,
+    /// Tokens sampled and delivered.
+    pub generated_tokens: u64,
     pub restored_tokens: u64,
     pub queued: usize,
     pub running: usize,
@@ -148,10 +154,7 @@ impl Scheduler {
             Instant::now(),
         ));
         self.stats.submitted += 1;
-        Ok(RequestStream {
-            id,
-            events: receiver,
-        })
+        Ok(RequestStream::new(id, receiver))
     }
 
     fn validate(&self, request: &GenerateRequest) -> Result<(), ServeError> {

@@ -13,10 +13,10 @@ use policy::{BackoffStep, OnExhausted, ReservationPolicy};
 
 use super::Scheduler;
 use super::job::{Job, Slot};
-use crate::engine::{EngineStep, EngineStepReply, RestoreCopy, SaveCopy};
+use crate::engine::{EngineStep, EngineStepReply, RestoreCopy, SampledTokens, SaveCopy};
 use crate::error::ServeError;
 use crate::kv_pool::{PoolOp, PoolReply};
-use crate::request::FinishReason;
+use crate::request::{FinishReason, is_stop_token};
 use crate::snapshot_store::{StoreOp, StoreReply};
 
 /// A slice of one running job's tokens to compute this step.
@@ -25,8 +25,17 @@ struct Row {
     job: usize,
     start: usize,
     end: usize,
+    /// Decode steps the engine runs for it (1 but in a multi-step decode).
+    steps: usize,
     /// Dropped when the pool could not extend the job.
     live: bool,
+}
+
+impl Row {
+    /// The end of the positions it may write: one more per extra decode step.
+    fn reach(&self) -> usize {
+        self.end + self.steps - 1
+    }
 }
 
 /// What a save copies, and for whom.
@@ -142,8 +151,50 @@ impl Scheduler {
         }
         waiting.extend(self.queue.drain(..));
         self.queue = waiting;
+        if draft.candidates.is_empty() && self.queue.is_empty() {
+            self.plan_decode_steps(&mut draft.rows);
+        }
         self.draft = Some(draft);
         ops
+    }
+
+    /// With `decode_steps` above 1 and nothing waiting, lets every row run several decode
+    /// steps in one engine step, when each is one token at its job's end and (under the
+    /// optimistic reservation) the pool has room for all their extra positions. A row runs
+    /// no more steps than its job may still generate.
+    fn plan_decode_steps(&self, rows: &mut [Row]) {
+        let k = self.config.decode_steps;
+        let pure_decode = rows
+            .iter()
+            .all(|row| row.end - row.start == 1 && row.end == self.running[row.job].tokens.len());
+        if k <= 1 || rows.is_empty() || !pure_decode {
+            return;
+        }
+        let pt = self.config.page_tokens;
+        let mut extra_pages = 0;
+        let mut steps = Vec::with_capacity(rows.len());
+        for row in rows.iter() {
+            let job = &self.running[row.job];
+            let left =
+                (job.max_new - job.generated()).min(self.config.context_tokens - job.tokens.len());
+            let n = k.min(left).max(1);
+            let held = job
+                .slot
+                .as_ref()
+                .expect("running jobs hold a slot")
+                .pages
+                .len();
+            extra_pages += (row.start + n).div_ceil(pt).saturating_sub(held);
+            steps.push(n);
+        }
+        if self.config.reservation == ReservationPolicy::Optimistic
+            && extra_pages > self.available_pages
+        {
+            return;
+        }
+        for (row, n) in rows.iter_mut().zip(steps) {
+            row.steps = n;
+        }
     }
 
     /// Pages that must be free to admit `job`: its reservation, or under the optimistic
@@ -188,6 +239,7 @@ impl Scheduler {
                     job: index,
                     start: job.computed,
                     end: job.computed + 1,
+                    steps: 1,
                     live: true,
                 });
                 budget -= 1;
@@ -200,6 +252,7 @@ impl Scheduler {
                     job: index,
                     start: job.computed,
                     end: job.computed + n,
+                    steps: 1,
                     live: true,
                 });
                 budget -= n;
@@ -238,10 +291,10 @@ impl Scheduler {
                 .slot
                 .as_ref()
                 .expect("running jobs hold a slot");
-            if row.end > slot.held_tokens {
+            if row.reach() > slot.held_tokens {
                 ops.push(PoolOp::Extend {
                     handle: slot.handle,
-                    tokens: row.end - slot.held_tokens,
+                    tokens: row.reach() - slot.held_tokens,
                 });
                 draft.pool_purposes.push(PoolPurpose::Extend(r));
             }
@@ -342,7 +395,7 @@ impl Scheduler {
             Ok(pages) => {
                 let slot = job.slot.as_mut().expect("running jobs hold a slot");
                 slot.pages.extend(pages);
-                slot.held_tokens = row.end;
+                slot.held_tokens = row.reach();
                 job.backoff.on_progress();
             }
             Err(CacheError::ContextFull {
@@ -450,8 +503,10 @@ impl Scheduler {
             restores: Vec::new(),
             plan: StepPlan::default(),
             samplers: Vec::new(),
+            row_steps: Vec::new(),
             saves: Vec::new(),
         };
+        let multi_step = draft.rows.iter().any(|row| row.steps > 1);
         let purposes = std::mem::take(&mut draft.store_purposes);
         for (purpose, reply) in purposes.into_iter().zip(replies) {
             self.apply_store_reply(&mut draft, &mut step, purpose, reply);
@@ -488,6 +543,9 @@ impl Scheduler {
             } else {
                 None
             });
+            if multi_step {
+                step.row_steps.push(row.steps);
+            }
             draft.sent_rows.push(r);
         }
         let idle = step.plan.rows.is_empty()
@@ -632,7 +690,7 @@ impl Scheduler {
     fn apply_forward(
         &mut self,
         draft: &Draft,
-        forward: Result<Vec<Option<u32>>, String>,
+        forward: Result<SampledTokens, String>,
         samplers: Vec<Option<Box<Sampler>>>,
         ended: &mut Vec<(usize, End)>,
     ) {
@@ -641,8 +699,8 @@ impl Scheduler {
                 self.running[draft.rows[r].job].sampler = Some(sampler);
             }
         }
-        let tokens = match forward {
-            Ok(tokens) => tokens,
+        let sampled = match forward {
+            Ok(sampled) => sampled,
             Err(e) => {
                 for &r in &draft.sent_rows {
                     ended.push((
@@ -653,26 +711,36 @@ impl Scheduler {
                 return;
             }
         };
-        for (&r, token) in draft.sent_rows.iter().zip(tokens) {
+        assert_eq!(
+            sampled.rows(),
+            draft.sent_rows.len(),
+            "one row of tokens per row"
+        );
+        for (p, &r) in draft.sent_rows.iter().enumerate() {
             let row = draft.rows[r];
-            let job = &mut self.running[row.job];
-            job.computed = row.end;
-            if let Some(token) = token {
+            let tokens = sampled.row(p);
+            // Each decode step after the first computed the token the one before sampled.
+            self.running[row.job].computed = row.end + tokens.len().saturating_sub(1);
+            let before = self.running[row.job].tokens.len();
+            for &token in tokens {
+                let job = &mut self.running[row.job];
                 job.sampler.as_mut().expect("returned above").accept(token);
                 job.tokens.push(token);
-                job.emit_token(token);
                 if let Some(reason) = self.stop_reason(row.job, token) {
                     ended.push((row.job, End::Finished(reason)));
+                    break;
                 }
             }
+            let job = &self.running[row.job];
+            job.emit_tokens(&job.tokens[before..]);
+            self.stats.generated_tokens += (job.tokens.len() - before) as u64;
         }
     }
 
     fn stop_reason(&self, index: usize, token: u32) -> Option<FinishReason> {
         let job = &self.running[index];
         let params = job.sampler.as_ref().expect("home after the step").params();
-        let eos = !params.ignore_eos && self.config.eos_token_ids.contains(&token);
-        if eos || params.stop_token_ids.contains(&token) {
+        if is_stop_token(params, &self.config.eos_token_ids, token) {
             Some(FinishReason::Stop)
         } else if job.generated() >= job.max_new || job.tokens.len() >= self.config.context_tokens {
             Some(FinishReason::Length)

@@ -3,15 +3,14 @@
 
 use std::time::Instant;
 
-use cache::{PagePool, PoolConfig, PrefixSalt, SnapshotGeometry, SnapshotStore as Store, Tier};
-use engine::backend::{Backend, StepPlan};
+use engine::backend::StepPlan;
 use engine::cpu::{CpuBackend, CpuOptions};
 use engine::model::ModelFiles;
 use engine::model::synthetic::{self, SyntheticSpec};
 use engine::sampling::SamplingParams;
 use policy::{Policies, ReservationPolicy};
 
-use super::{Scheduler, SchedulerConfig};
+use super::Scheduler;
 use crate::engine::Engine;
 use crate::kv_pool::KvPool;
 use crate::request::{Event, GenerateRequest, RequestStream};
@@ -39,45 +38,19 @@ impl Harness {
             },
         )
         .unwrap();
-        let policies = Policies::from_toml(toml).unwrap();
-        let geometry = backend.info().geometry;
-        let reservation = policies.cache.reservation();
-        let scheduler = Scheduler::new(SchedulerConfig {
-            max_queue: policies.admission.max_queue(),
-            max_running: policies.admission.max_running(),
-            step_token_budget: policies.admission.step_token_budget(),
-            page_tokens: 16,
-            total_pages: pages,
-            context_tokens: backend.info().max_positions,
-            vocab_size: backend.info().vocab_size,
+        let config = crate::ServeConfig {
+            policies: Policies::from_toml(toml).unwrap(),
+            model_id: "tiny".into(),
             eos_token_ids: vec![],
-            reservation,
-            backoff: policies.backoff.clone(),
-            save_prompts: policies.snapshots.save_prompts(),
-            min_save_tokens: policies.snapshots.min_save_tokens(),
-            save_tier: Tier::Device,
-            salt: PrefixSalt::new("tiny", None),
             seed: 1,
-        });
-        let pool = KvPool::new(PagePool::new(PoolConfig {
-            total_pages: pages as u32,
-            page_tokens: 16,
-            max_slots: policies.admission.max_running() as u32,
-            reservation,
-        }));
-        let store = SnapshotStore::new(Store::new(
-            SnapshotGeometry {
-                kv: geometry,
-                fixed_state_bytes: 0,
-            },
-            &policies.snapshots,
-        ));
+        };
+        let parts = crate::build(Box::new(backend), config).unwrap();
         Harness {
             _dir: dir,
-            scheduler,
-            pool,
-            store,
-            engine: Engine::new(Box::new(backend)),
+            scheduler: parts.scheduler,
+            pool: parts.pool,
+            store: parts.store,
+            engine: parts.engine,
         }
     }
 
@@ -119,7 +92,7 @@ fn rows_of(plan: &StepPlan) -> Vec<(usize, usize)> {
 
 fn tokens(stream: &mut RequestStream) -> (Vec<u32>, Option<Event>) {
     let mut out = Vec::new();
-    while let Ok(event) = stream.events.try_recv() {
+    while let Some(event) = stream.try_next() {
         match event {
             Event::Token(t) => out.push(t),
             end => return (out, Some(end)),
@@ -197,4 +170,42 @@ fn a_dropped_stream_releases_its_pages_within_one_step() {
     h.step();
     assert_eq!(h.pool.stats().used_pages, 0);
     assert_eq!(h.scheduler.stats().cancelled, 1);
+}
+
+#[test]
+fn a_multi_step_decode_runs_several_tokens_per_step_and_stops_at_max_tokens() {
+    let mut h = Harness::new(64, "[admission]\ndecode_steps = 4\n");
+    let mut a = h.submit(4, 10);
+    h.step();
+    assert_eq!(h.step(), vec![(0, 4)], "the prompt, and the first token");
+    assert_eq!(tokens(&mut a).0.len(), 1);
+    assert_eq!(h.step(), vec![(4, 1)], "one row, fed back by the engine");
+    assert_eq!(tokens(&mut a).0.len(), 4, "four decode steps");
+    h.step();
+    assert_eq!(tokens(&mut a).0.len(), 4);
+    assert_eq!(h.step(), vec![(12, 1)]);
+    let (last, end) = tokens(&mut a);
+    assert_eq!(last.len(), 1, "only what max_tokens leaves");
+    assert!(matches!(end, Some(Event::Finished { .. })), "{end:?}");
+    h.step();
+    assert_eq!(h.pool.stats().free_pages, 64);
+}
+
+#[test]
+fn a_multi_step_decode_waits_while_requests_queue() {
+    let mut h = Harness::new(
+        64,
+        "[admission]\ndecode_steps = 4\nmax_running = 1\nstep_token_budget = 16\n",
+    );
+    let mut a = h.submit(4, 20);
+    let _b = h.submit(4, 20);
+    h.step();
+    h.step();
+    assert_eq!(tokens(&mut a).0.len(), 1);
+    h.step();
+    assert_eq!(
+        tokens(&mut a).0.len(),
+        1,
+        "b waits for a slot: one token per step"
+    );
 }
