@@ -160,10 +160,9 @@ async fn multi_step_decoding_on_smollm2_gives_every_request_its_solo_tokens() {
         &texts.iter().map(|t| t.to_string()).collect::<Vec<_>>(),
     );
     let stats = wait_idle(&handles).await;
-    let longest = expected.iter().map(Vec::len).max().unwrap();
     assert!(
-        (stats.scheduler.steps as usize) < longest,
-        "{} steps for {longest} tokens: no step ran several decode steps",
-        stats.scheduler.steps
+        stats.scheduler.multi_steps > 0,
+        "no step ran several decode steps: {:?}",
+        stats.scheduler
     );
 }

@@ -9,8 +9,13 @@ use common::*;
 use engine::sampling::SamplingParams;
 
 fn crowded(on_exhausted: &str) -> String {
+    crowded_with(on_exhausted, 1)
+}
+
+fn crowded_with(on_exhausted: &str, decode_steps: usize) -> String {
     format!(
         "reservation = \"optimistic\"\n[admission]\nmax_running = 8\nstep_token_budget = 256\n\
+         decode_steps = {decode_steps}\n\
          [backoff]\nbase_ms = 1\nmax_ms = 4\nmax_attempts = 2\non_exhausted = \"{on_exhausted}\"\n\
          [snapshots]\ndevice_budget_bytes = 100000000\nmin_save_tokens = 1000\n"
     )
@@ -44,6 +49,33 @@ async fn context_full_backs_off_then_preempts_by_snapshot_and_every_job_still_ma
     assert!(
         stats.store.hits > 0,
         "no preempted job was restored from its snapshot: {stats:?}"
+    );
+}
+
+#[actix_rt::test]
+async fn under_pressure_multi_step_decoding_still_gives_every_job_its_tokens() {
+    let model = TinyModel::new();
+    let vocab = model.files.config.vocab_size;
+    let requests: Vec<GenerateRequest> = (0..8)
+        .map(|i| GenerateRequest {
+            prompt: prompt(100 + i, 40 + 3 * i as usize, vocab),
+            params: SamplingParams {
+                ignore_eos: true,
+                ..greedy(57 + i as usize)
+            },
+        })
+        .collect();
+    let expected: Vec<Vec<u32>> = requests.iter().map(|r| solo(&model.files, r)).collect();
+    let config = serve_config(&model.files, policies(&crowded_with("preempt", 4)));
+    let handles = actors::start(Box::new(cpu_backend(&model.files, 24)), config).unwrap();
+    let completions = run_all(&handles, &requests).await;
+    assert_match_solo(&completions, &expected, &[]);
+    let stats = wait_idle(&handles).await;
+    let scheduler = stats.scheduler;
+    assert_eq!(scheduler.finished, 8, "{scheduler:?}");
+    assert!(
+        scheduler.multi_steps > 0 && scheduler.backoffs > 0 && scheduler.preemptions > 0,
+        "the pool was crowded and some steps ran several decode steps: {scheduler:?}"
     );
 }
 

@@ -75,6 +75,8 @@ pub struct SchedulerStats {
     pub preemptions: u64,
     /// Scheduler steps; one may run several decode steps.
     pub steps: u64,
+    /// Steps that handed the engine more than one decode step.
+    pub multi_steps: u64,
     /// Tokens sampled and delivered.
     pub generated_tokens: u64,
     pub restored_tokens: u64,

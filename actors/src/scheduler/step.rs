@@ -506,7 +506,8 @@ impl Scheduler {
             row_steps: Vec::new(),
             saves: Vec::new(),
         };
-        let multi_step = draft.rows.iter().any(|row| row.steps > 1);
+        let multi_step = draft.rows.iter().any(|row| row.live && row.steps > 1);
+        self.stats.multi_steps += multi_step as u64;
         let purposes = std::mem::take(&mut draft.store_purposes);
         for (purpose, reply) in purposes.into_iter().zip(replies) {
             self.apply_store_reply(&mut draft, &mut step, purpose, reply);
