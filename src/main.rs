@@ -2,6 +2,10 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use actors::ServeConfig;
+use actors::http::{self, ApiState, Model};
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -16,6 +20,7 @@ use engine::generate::{Vocabulary, generate};
 use engine::model::{ModelConfig, ModelFiles};
 use engine::sampling::SamplingParams;
 use engine::select::{self, BackendKind, Resolved};
+use policy::Policies;
 
 #[derive(Parser)]
 #[command(
@@ -34,6 +39,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve a model through the OpenAI-compatible HTTP API.
+    Serve(ServeArgs),
     /// Download and convert an embedded model; prints the model folder last.
     FetchModel(FetchModelArgs),
     /// Generate text from a prompt on the CPU, streaming it to stdout.
@@ -130,6 +137,35 @@ impl From<BackendArg> for BackendKind {
 }
 
 #[derive(Args)]
+struct ServeArgs {
+    /// Model folder [default: the embedded SmolLM2, fetched if missing].
+    #[arg(long)]
+    model: Option<PathBuf>,
+
+    /// Deployment configuration, TOML (see configs/) [default: built-in defaults].
+    #[arg(long)]
+    config: Option<PathBuf>,
+
+    /// Backend, overriding the configuration's `[engine] backend`.
+    #[arg(long, value_enum)]
+    backend: Option<BackendArg>,
+
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+
+    /// The name clients pass as `model` [default: the model folder's name].
+    #[arg(long)]
+    served_model_name: Option<String>,
+
+    /// Threads answering HTTP (the engine has its own).
+    #[arg(long, default_value_t = 2)]
+    http_workers: usize,
+}
+
+#[derive(Args)]
 struct GenerateArgs {
     /// Model folder [default: the embedded SmolLM2, fetched if missing].
     #[arg(long)]
@@ -195,6 +231,7 @@ fn main() -> Result<()> {
         .cache_dir
         .unwrap_or_else(|| fetch::default_cache_dir(std::env::home_dir().as_deref()));
     match cli.command {
+        Command::Serve(args) => serve(&cache_dir, args),
         Command::FetchModel(args) => fetch_model(cache_dir, args),
         Command::Generate(args) => generate_text(&cache_dir, args),
         Command::Bench(args) => bench(&cache_dir, args),
@@ -231,6 +268,72 @@ fn model_dir(cache_dir: &Path, given: Option<PathBuf>, dtype: DType) -> Result<P
         ..FetchOptions::new(cache_dir.to_path_buf(), dtype)
     };
     Ok(fetch::fetch(&fetch::SMOLLM2, &options)?)
+}
+
+fn serve(cache_dir: &Path, args: ServeArgs) -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let policies = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            Policies::from_toml(&text).with_context(|| format!("in {}", path.display()))?
+        }
+        None => Policies::from_toml("")?,
+    };
+    let kind = args
+        .backend
+        .map_or(policies.engine.backend, BackendKind::from);
+    let dir = model_dir(cache_dir, args.model, DType::BF16)?;
+    let files = ModelFiles::open(&dir)?;
+    let cpu = CpuOptions::from_policies(
+        &policies.engine,
+        &policies.cache,
+        &policies.admission,
+        &files.config,
+    );
+    let cuda = CudaOptions::from_policies(
+        &policies.engine,
+        &policies.cache,
+        &policies.snapshots,
+        &policies.admission,
+    );
+    eprintln!("loading {}", dir.display());
+    let backend = select::load(&files, kind, &cpu, &cuda)?;
+    let info = backend.info().clone();
+    eprintln!(
+        "{} backend: {} KV pages of {} tokens, context {} tokens",
+        info.name, info.num_pages, info.geometry.page_tokens, info.max_positions
+    );
+    let name = args.served_model_name.unwrap_or_else(|| {
+        dir.file_name()
+            .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
+    });
+    let config = ServeConfig {
+        policies,
+        model_id: dir.display().to_string(),
+        eos_token_ids: files.eos_token_ids.clone(),
+        seed: 0,
+    };
+    let address = format!("{}:{}", args.host, args.port);
+    actix_rt::System::new().block_on(async move {
+        let handles = actors::start(backend, config)?;
+        let model = Model::new(files, name.clone(), info.max_positions);
+        let state = ApiState {
+            handles,
+            model: Arc::new(model),
+        };
+        eprintln!("serving {name} on http://{address}");
+        http::serve(state, &address, args.http_workers)
+            .await
+            .with_context(|| format!("serving on {address}"))
+    })
 }
 
 fn generate_text(cache_dir: &Path, args: GenerateArgs) -> Result<()> {

@@ -11,10 +11,12 @@
 //! - [`scheduler`]: the scheduling state machine the `Admission` actor drives, pure and tested
 //!   without a runtime.
 //! - [`request`], [`error`]: what callers send and receive.
+//! - [`http`]: the OpenAI-compatible HTTP API over [`Handles`].
 
 pub mod admission;
 pub mod engine;
 pub mod error;
+pub mod http;
 pub mod kv_pool;
 pub mod request;
 pub mod scheduler;

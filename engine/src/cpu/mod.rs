@@ -22,6 +22,10 @@ use crate::model::{ModelConfig, ModelFiles, Weights};
 use attention::{AttentionShape, KvPages, QueryPos};
 use weights::CpuWeights;
 
+/// The most KV positions a pool sized by a memory fraction gets on the CPU: f32 pages are
+/// large (46 KB a position for SmolLM2-135M) and a CPU decodes few sequences at a time.
+pub const CPU_POOL_TOKENS_CAP: usize = 65_536;
+
 /// How to size the CPU backend.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CpuOptions {
@@ -31,6 +35,39 @@ pub struct CpuOptions {
 }
 
 impl CpuOptions {
+    /// The options a server configuration asks for. A pool given as a fraction of memory is
+    /// that fraction of the memory the system reports available, but no more than every
+    /// running sequence at full context needs and no more than [`CPU_POOL_TOKENS_CAP`]
+    /// positions (`cache.pool_tokens` sets any size).
+    pub fn from_policies(
+        engine: &policy::EngineConfig,
+        cache: &policy::CachePolicy,
+        admission: &policy::AdmissionPolicy,
+        model: &ModelConfig,
+    ) -> Self {
+        let threads = match engine.threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        let tokens = match cache.pool() {
+            policy::PoolSize::Tokens(tokens) => tokens as usize,
+            policy::PoolSize::MemoryFraction(fraction) => {
+                // f32 keys and values, every layer.
+                let per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4;
+                let available = available_memory_bytes().unwrap_or(8 << 30);
+                let fits = (available as f64 * fraction) as usize / per_token.max(1);
+                fits.min(admission.max_running() * model.max_position_embeddings)
+                    .min(CPU_POOL_TOKENS_CAP)
+            }
+        };
+        let page_tokens = cache.page_tokens();
+        CpuOptions {
+            threads,
+            page_tokens,
+            num_pages: tokens.div_ceil(page_tokens).max(1),
+        }
+    }
+
     /// All available cores, 16-token pages, and enough pages for `tokens` positions.
     pub fn for_tokens(tokens: usize) -> Self {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -435,4 +472,12 @@ impl Forward<'_> {
             row_ranges,
         }
     }
+}
+
+/// `MemAvailable` of `/proc/meminfo`, where there is one.
+fn available_memory_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

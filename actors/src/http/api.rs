@@ -1,0 +1,318 @@
+//! The JSON of the OpenAI API that snapserve accepts, and the checks that turn it into a
+//! tokenized request.
+//!
+//! Unknown fields are ignored, as OpenAI's own clients send fields a server may not know. Known
+//! fields snapserve cannot honour (`n` above 1, `logprobs`, `echo`, `best_of`, `suffix`, image
+//! parts) are refused with a 400 that names them, never silently dropped.
+
+use engine::chat::ChatMessage;
+use engine::sampling::SamplingParams;
+use serde::Deserialize;
+
+use super::Model;
+use super::error::ApiError;
+
+/// A prompt as OpenAI allows it: text, token ids, or a list of one text.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+}
+
+/// `stop`: one string or a list of them.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The sampling fields both endpoints share (OpenAI's, plus vLLM's `top_k`, `min_p`,
+/// `repetition_penalty`, `stop_token_ids` and `ignore_eos`).
+#[derive(Debug, Default, Deserialize)]
+pub struct Sampling {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub stop: Option<Stop>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub ignore_eos: Option<bool>,
+    pub n: Option<usize>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    pub max_tokens: Option<usize>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+    pub logprobs: Option<serde_json::Value>,
+    pub echo: Option<bool>,
+    pub best_of: Option<usize>,
+    pub suffix: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Vec<Message>,
+    pub max_tokens: Option<usize>,
+    pub max_completion_tokens: Option<usize>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+/// A message's content: text, or a list of parts of which snapserve reads the text ones.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+/// A request ready to submit.
+#[derive(Debug)]
+pub struct Prepared {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+impl Sampling {
+    fn unsupported(&self) -> Result<(), ApiError> {
+        if let Some(n) = self.n.filter(|&n| n != 1) {
+            return Err(ApiError::invalid_param(
+                "n",
+                format!("only n = 1 is supported, got {n}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Sampling parameters with OpenAI's defaults (temperature 1, top_p 1).
+    fn params(&self, max_tokens: usize) -> SamplingParams {
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(list)) => list.clone(),
+        };
+        let defaults = SamplingParams::default();
+        SamplingParams {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_p: self.top_p.unwrap_or(1.0),
+            top_k: self.top_k.unwrap_or(0),
+            min_p: self.min_p.unwrap_or(0.0),
+            seed: self.seed,
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            repetition_penalty: self
+                .repetition_penalty
+                .unwrap_or(defaults.repetition_penalty),
+            max_tokens,
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+            stop,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+        }
+    }
+
+    fn prepare(
+        &self,
+        model: &Model,
+        prompt: Vec<u32>,
+        max_tokens: Option<usize>,
+        default_max: usize,
+    ) -> Result<Prepared, ApiError> {
+        let context = model.context_tokens;
+        if prompt.len() >= context {
+            return Err(ApiError::invalid_param(
+                "prompt",
+                format!(
+                    "the prompt has {} tokens; this model's context holds {context}, \
+                     with room for at least one generated token",
+                    prompt.len()
+                ),
+            ));
+        }
+        let room = context - prompt.len();
+        let max_tokens = match max_tokens {
+            Some(asked) if asked > room => {
+                return Err(ApiError::invalid_param(
+                    "max_tokens",
+                    format!(
+                        "the prompt ({} tokens) plus max_tokens ({asked}) exceed this model's \
+                         context of {context} tokens",
+                        prompt.len()
+                    ),
+                ));
+            }
+            Some(asked) => asked,
+            None => default_max.min(room),
+        };
+        let params = self.params(max_tokens);
+        params
+            .validate()
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
+        Ok(Prepared {
+            prompt,
+            params,
+            stream: self.stream.unwrap_or(false),
+            include_usage: self
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage),
+        })
+    }
+}
+
+/// Refuses a request for another model than the one served.
+pub fn check_model(asked: Option<&str>, model: &Model) -> Result<(), ApiError> {
+    match asked {
+        Some(name) if name != model.id => Err(ApiError::model_not_found(name, &model.id)),
+        _ => Ok(()),
+    }
+}
+
+impl CompletionRequest {
+    pub fn prepare(&self, model: &Model) -> Result<Prepared, ApiError> {
+        check_model(self.model.as_deref(), model)?;
+        self.sampling.unsupported()?;
+        let refuse = |param: &str, what: &str| {
+            Err(ApiError::invalid_param(
+                param,
+                format!("{what} is not supported"),
+            ))
+        };
+        if self.logprobs.as_ref().is_some_and(|v| !v.is_null()) {
+            return refuse("logprobs", "logprobs");
+        }
+        if self.echo == Some(true) {
+            return refuse("echo", "echo");
+        }
+        if self.best_of.is_some_and(|b| b != 1) {
+            return refuse("best_of", "best_of above 1");
+        }
+        if self.suffix.is_some() {
+            return refuse("suffix", "suffix");
+        }
+        let prompt = match &self.prompt {
+            Prompt::Text(text) => encode(model, text)?,
+            Prompt::Texts(texts) if texts.len() == 1 => encode(model, &texts[0])?,
+            Prompt::Texts(texts) => {
+                return Err(ApiError::invalid_param(
+                    "prompt",
+                    format!(
+                        "a list of {} prompts is not supported; send one request per prompt",
+                        texts.len()
+                    ),
+                ));
+            }
+            Prompt::Tokens(ids) => ids.clone(),
+        };
+        if prompt.is_empty() {
+            return Err(ApiError::invalid_param("prompt", "the prompt is empty"));
+        }
+        // OpenAI's default for completions.
+        self.sampling.prepare(model, prompt, self.max_tokens, 16)
+    }
+}
+
+impl ChatRequest {
+    pub fn prepare(&self, model: &Model) -> Result<Prepared, ApiError> {
+        check_model(self.model.as_deref(), model)?;
+        self.sampling.unsupported()?;
+        if self.logprobs == Some(true) || self.top_logprobs.is_some() {
+            return Err(ApiError::invalid_param(
+                "logprobs",
+                "logprobs are not supported",
+            ));
+        }
+        let Some(template) = &model.chat_template else {
+            return Err(ApiError::invalid(format!(
+                "{} has no chat template; use /v1/completions",
+                model.id
+            )));
+        };
+        if self.messages.is_empty() {
+            return Err(ApiError::invalid_param("messages", "no messages"));
+        }
+        let mut messages = Vec::with_capacity(self.messages.len());
+        for (i, message) in self.messages.iter().enumerate() {
+            messages.push(ChatMessage::new(&message.role, &text_of(i, message)?));
+        }
+        let rendered = template
+            .render(&messages, true)
+            .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+        let prompt = model
+            .tokenizer
+            .encode_rendered(&rendered)
+            .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+        let max_tokens = self.max_completion_tokens.or(self.max_tokens);
+        // Without a limit, a chat reply may use the rest of the context.
+        self.sampling
+            .prepare(model, prompt, max_tokens, model.context_tokens)
+    }
+}
+
+fn encode(model: &Model, text: &str) -> Result<Vec<u32>, ApiError> {
+    model
+        .tokenizer
+        .encode_prompt(text)
+        .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))
+}
+
+fn text_of(index: usize, message: &Message) -> Result<String, ApiError> {
+    match &message.content {
+        None => Ok(String::new()),
+        Some(Content::Text(text)) => Ok(text.clone()),
+        Some(Content::Parts(parts)) => {
+            let mut text = String::new();
+            for part in parts {
+                match (part.kind.as_str(), &part.text) {
+                    ("text", Some(t)) => text.push_str(t),
+                    (kind, _) => {
+                        return Err(ApiError::invalid_param(
+                            "messages",
+                            format!(
+                                "message {index} has a `{kind}` part; only text parts are supported"
+                            ),
+                        ));
+                    }
+                }
+            }
+            Ok(text)
+        }
+    }
+}

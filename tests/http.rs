@@ -1,0 +1,300 @@
+//! End to end: the real `snapserve serve` binary with the real SmolLM2 on the CPU, spoken to
+//! over HTTP as an OpenAI client would.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use engine::DType;
+use engine::cpu::{CpuBackend, CpuOptions};
+use engine::generate::{Vocabulary, generate};
+use engine::model::ModelFiles;
+use engine::sampling::SamplingParams;
+use serde_json::{Value, json};
+
+/// The SmolLM2 folder `snapserve serve` loads by default, fetched into the shared cache.
+fn smollm2() -> PathBuf {
+    let cache = std::env::var_os("SNAPSERVE_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| engine::fetch::default_cache_dir(std::env::home_dir().as_deref()));
+    engine::fetch::fetch(
+        &engine::fetch::SMOLLM2,
+        &engine::fetch::FetchOptions::new(cache, DType::BF16),
+    )
+    .expect("fetching SmolLM2")
+}
+
+/// A running server, stopped when dropped.
+struct Server {
+    child: Child,
+    base: String,
+    agent: ureq::Agent,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    fn start(model: &Path, config: &str) -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let config_path = dir.path().join("serve.toml");
+        std::fs::write(&config_path, config).unwrap();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new(env!("CARGO_BIN_EXE_snapserve"))
+            .args(["serve", "--backend", "cpu", "--port", &port.to_string()])
+            .args(["--served-model-name", "smollm2", "--model"])
+            .arg(model)
+            .arg("--config")
+            .arg(&config_path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting snapserve");
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(120)))
+            .build()
+            .into();
+        let mut server = Server {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+            agent,
+            _dir: dir,
+        };
+        server.wait_ready();
+        server
+    }
+
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("snapserve exited before serving: {status}");
+            }
+            if let Ok(response) = self.agent.get(format!("{}/health", self.base)).call()
+                && response.status() == 200
+            {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("snapserve did not answer /health within 120 s");
+    }
+
+    /// POSTs `body`; returns the status, the `Retry-After` header and the JSON answer.
+    fn post(&self, path: &str, body: &Value) -> (u16, Option<String>, Value) {
+        let mut response = self
+            .agent
+            .post(format!("{}{path}", self.base))
+            .send_json(body)
+            .unwrap();
+        let retry_after = response
+            .headers()
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap().to_string());
+        let status = response.status().as_u16();
+        let json = response.body_mut().read_json::<Value>().unwrap();
+        (status, retry_after, json)
+    }
+
+    /// POSTs a streaming request; returns every `data:` payload in order.
+    fn post_stream(&self, path: &str, body: &Value) -> Vec<String> {
+        let mut response = self
+            .agent
+            .post(format!("{}{path}", self.base))
+            .send_json(body)
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let content_type = response.headers().get("content-type").unwrap();
+        assert_eq!(content_type, "text/event-stream");
+        BufReader::new(response.body_mut().as_reader())
+            .lines()
+            .map(|line| line.unwrap())
+            .filter_map(|line| line.strip_prefix("data: ").map(str::to_string))
+            .collect()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const CONFIG: &str = "[cache]\npool_tokens = 16384\n[admission]\nmax_running = 8\n\
+                      [snapshots]\nmin_save_tokens = 32\n";
+
+/// The text a greedy run of `prompt` gives alone, in process, with the CPU backend.
+fn solo_text(files: &ModelFiles, prompt: &str, max_tokens: usize) -> String {
+    let ids = files.tokenizer.encode_prompt(prompt).unwrap();
+    let mut backend =
+        CpuBackend::load(files, &CpuOptions::for_tokens(ids.len() + max_tokens)).unwrap();
+    let vocab = Vocabulary {
+        tokenizer: &files.tokenizer,
+        eos_token_ids: &files.eos_token_ids,
+    };
+    let params = SamplingParams {
+        max_tokens,
+        ..SamplingParams::default()
+    };
+    let mut text = String::new();
+    generate(&mut backend, &vocab, &ids, &params, 512, |t| text += t).unwrap();
+    text
+}
+
+#[test]
+fn completions_whole_and_streamed_match_a_solo_run_and_reuse_snapshots() {
+    let dir = smollm2();
+    let server = Server::start(&dir, CONFIG);
+    let files = ModelFiles::open(&dir).unwrap();
+    let prompt = "The capital of France is";
+    let expected = solo_text(&files, prompt, 12);
+
+    let request = json!({"model": "smollm2", "prompt": prompt, "max_tokens": 12, "temperature": 0});
+    let (status, _, body) = server.post("/v1/completions", &request);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["model"], "smollm2");
+    assert_eq!(body["choices"][0]["text"], expected.as_str());
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert_eq!(body["usage"]["completion_tokens"], 12);
+    assert_eq!(body["usage"]["prompt_tokens"], 5);
+
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let events = server.post_stream("/v1/completions", &streamed);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, expected);
+    let finish = chunks
+        .iter()
+        .find_map(|c| c["choices"][0]["finish_reason"].as_str());
+    assert_eq!(finish, Some("length"));
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 12);
+
+    // A long prompt, twice: the second restores the first's snapshot.
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(10);
+    let request = json!({"prompt": long, "max_tokens": 4, "temperature": 0});
+    let (_, _, first) = server.post("/v1/completions", &request);
+    let (_, _, second) = server.post("/v1/completions", &request);
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= 64, "{second}");
+    assert_eq!(first["choices"][0]["text"], second["choices"][0]["text"]);
+}
+
+#[test]
+fn chat_completions_stop_strings_and_streams() {
+    let server = Server::start(&smollm2(), CONFIG);
+    let messages = json!([{"role": "user", "content": "Count from one to ten."}]);
+    let request = json!({"messages": messages, "max_tokens": 24, "temperature": 0});
+    let (status, _, body) = server.post("/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["choices"][0]["message"]["role"], "assistant");
+    let whole = body["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(!whole.is_empty());
+
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let events = server.post_stream("/v1/chat/completions", &streamed);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, whole, "streamed and whole answers differ");
+
+    // A stop string cut out of the greedy answer ends it right before.
+    let cut = whole
+        .char_indices()
+        .nth(whole.chars().count() / 2)
+        .unwrap()
+        .0;
+    let stop: String = whole[cut..].chars().take(3).collect();
+    let mut stopped = request.clone();
+    stopped["stop"] = json!([stop]);
+    let (_, _, body) = server.post("/v1/chat/completions", &stopped);
+    let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(body["choices"][0]["finish_reason"], "stop", "{body}");
+    assert!(!content.contains(&stop), "{content:?} contains {stop:?}");
+    assert!(
+        whole.starts_with(content),
+        "{content:?} is not a prefix of {whole:?}"
+    );
+}
+
+#[test]
+fn bad_requests_get_clear_errors_and_a_full_queue_gets_429() {
+    let config = "[cache]\npool_tokens = 16384\n[admission]\nmax_running = 1\nmax_queue = 1\n";
+    let server = Server::start(&smollm2(), config);
+    let cases = [
+        (
+            json!({"prompt": "hi", "temperature": -1}),
+            400,
+            "temperature",
+        ),
+        (json!({"prompt": "hi", "n": 3}), 400, "n = 1"),
+        (json!({"prompt": "hi", "model": "gpt-4"}), 404, "smollm2"),
+        (
+            json!({"prompt": "hi", "max_tokens": 100000}),
+            400,
+            "context",
+        ),
+        (json!({"prompt": ""}), 400, "empty"),
+        (json!({"prompt": [1, 2, 999999]}), 400, "vocabulary"),
+        (json!({"prompt": "hi", "logprobs": 2}), 400, "logprobs"),
+        (json!({"prompt": 5}), 400, "request body"),
+    ];
+    for (body, status, needle) in cases {
+        let (got, _, answer) = server.post("/v1/completions", &body);
+        assert_eq!(got, status, "{body} → {answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{body} → {message}");
+    }
+    let (status, _, answer) = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    );
+    assert_eq!(status, 400, "{answer}");
+
+    // One running, one queued: of six at once, some are refused with a Retry-After.
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 150, "ignore_eos": true});
+    let answers: Vec<(u16, Option<String>, Value)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..6)
+            .map(|_| scope.spawn(|| server.post("/v1/completions", &long)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let refused: Vec<_> = answers.iter().filter(|(s, _, _)| *s == 429).collect();
+    assert!(!refused.is_empty(), "nothing was refused: {answers:?}");
+    for (_, retry_after, body) in &refused {
+        let seconds: u64 = retry_after.as_ref().expect("Retry-After").parse().unwrap();
+        assert!(seconds >= 1);
+        assert_eq!(body["error"]["code"], "overloaded");
+    }
+    assert!(answers.iter().any(|(s, _, _)| *s == 200));
+    // And the server still serves.
+    let (status, _, _) = server.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 2}));
+    assert_eq!(status, 200);
+}
