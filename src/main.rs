@@ -325,9 +325,13 @@ fn serve(cache_dir: &Path, args: ServeArgs) -> Result<()> {
     actix_rt::System::new().block_on(async move {
         let handles = actors::start(backend, config)?;
         let model = Model::new(files, name.clone(), info.max_positions);
+        let prometheus = actors::metrics::install()
+            .map_err(|e| tracing::warn!("metrics are disabled: {e}"))
+            .ok();
         let state = ApiState {
             handles,
             model: Arc::new(model),
+            prometheus,
         };
         eprintln!("serving {name} on http://{address}");
         http::serve(state, &address, args.http_workers)

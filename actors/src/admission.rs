@@ -85,6 +85,7 @@ impl Admission {
 
     fn run_step(&mut self, ctx: &mut Context<Self>) {
         self.stepping = true;
+        let started = Instant::now();
         let lookups = self.scheduler.begin_step(Instant::now());
         let store = self.store.clone();
         let step = async move {
@@ -140,7 +141,8 @@ impl Admission {
             }
             .into_actor(act)
         })
-        .map(|reply: Option<EngineStepReply>, act, ctx| {
+        .map(move |reply: Option<EngineStepReply>, act, ctx| {
+            crate::metrics::step_done(started.elapsed().as_secs_f64());
             let outcome = act.scheduler.finish_step(reply, Instant::now());
             act.after(outcome, ctx);
         });

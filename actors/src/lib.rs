@@ -11,13 +11,15 @@
 //! - [`scheduler`]: the scheduling state machine the `Admission` actor drives, pure and tested
 //!   without a runtime.
 //! - [`request`], [`error`]: what callers send and receive.
-//! - [`http`]: the OpenAI-compatible HTTP API over [`Handles`].
+//! - [`http`]: the OpenAI-compatible HTTP API over [`Handles`]; [`metrics`]: its Prometheus
+//!   metrics.
 
 pub mod admission;
 pub mod engine;
 pub mod error;
 pub mod http;
 pub mod kv_pool;
+pub mod metrics;
 pub mod request;
 pub mod scheduler;
 pub mod snapshot_store;

@@ -100,6 +100,7 @@ impl ResponseError for ApiError {
     }
 
     fn error_response(&self) -> HttpResponse {
+        crate::metrics::error_answered(self.code);
         let mut response = HttpResponse::build(self.status);
         if let Some(after) = self.retry_after {
             // Whole seconds, rounded up: a client that waits that long finds room.

@@ -20,6 +20,7 @@ use actix_web::{App, HttpResponse, HttpServer, web};
 use engine::chat::ChatTemplate;
 use engine::model::ModelFiles;
 use engine::tokenizer::Tokenizer;
+use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 
 pub use error::ApiError;
@@ -59,6 +60,8 @@ impl Model {
 pub struct ApiState {
     pub handles: Handles,
     pub model: Arc<Model>,
+    /// Renders `/metrics`; `None` answers it with a 404.
+    pub prometheus: Option<PrometheusHandle>,
 }
 
 /// Request bodies up to this size are read; prompts of a long context fit well within it.
@@ -78,6 +81,7 @@ pub fn routes(config: &mut web::ServiceConfig) {
         .app_data(json)
         .route("/health", web::get().to(health))
         .route("/v1/models", web::get().to(models))
+        .route("/metrics", web::get().to(prometheus_metrics))
         .route("/v1/completions", web::post().to(completions))
         .route("/v1/chat/completions", web::post().to(chat_completions))
         .default_service(web::to(not_found));
@@ -115,13 +119,27 @@ async fn models(state: web::Data<ApiState>) -> HttpResponse {
     }))
 }
 
+async fn prometheus_metrics(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
+    let Some(prometheus) = &state.prometheus else {
+        return Err(ApiError {
+            status: StatusCode::NOT_FOUND,
+            code: "not_found",
+            ..ApiError::invalid("metrics are not enabled on this server")
+        });
+    };
+    let text = crate::metrics::render(&state.handles, prometheus).await;
+    Ok(HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4")
+        .body(text))
+}
+
 async fn not_found(request: actix_web::HttpRequest) -> Result<HttpResponse, ApiError> {
     Err(ApiError {
         status: StatusCode::NOT_FOUND,
         code: "not_found",
         ..ApiError::invalid(format!(
             "no route for {} {}; this server has GET /health, GET /v1/models, \
-             POST /v1/completions and POST /v1/chat/completions",
+             GET /metrics, POST /v1/completions and POST /v1/chat/completions",
             request.method(),
             request.path()
         ))
@@ -162,6 +180,7 @@ async fn respond(
         .handles
         .submit(GenerateRequest { prompt, params })
         .await?;
+    crate::metrics::prompt_accepted(prompt_tokens);
     let output = Output::new(state.model.clone(), events, &stops, prompt_tokens, kind);
     if stream {
         Ok(HttpResponse::Ok()

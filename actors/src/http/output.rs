@@ -3,6 +3,7 @@
 //! finish reason and the token counts, including the prompt tokens restored from a snapshot.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
 use engine::stop::StopMatcher;
@@ -13,6 +14,7 @@ use serde_json::{Value, json};
 use super::Model;
 use super::error::ApiError;
 use crate::error::ServeError;
+use crate::metrics;
 use crate::request::{Event, FinishReason, RequestStream};
 
 /// Which endpoint's shapes to answer in.
@@ -46,6 +48,8 @@ pub struct Output {
     kind: Kind,
     id: String,
     created: u64,
+    submitted: Instant,
+    last_token: Option<Instant>,
 }
 
 impl Output {
@@ -70,6 +74,8 @@ impl Output {
             completion_tokens: 0,
             kind,
             created: super::unix_now(),
+            submitted: Instant::now(),
+            last_token: None,
         }
     }
 
@@ -83,6 +89,11 @@ impl Output {
             match event {
                 Some(Event::Token(token)) => {
                     self.completion_tokens += 1;
+                    let now = Instant::now();
+                    match self.last_token.replace(now) {
+                        None => metrics::time_to_first_token((now - self.submitted).as_secs_f64()),
+                        Some(last) => metrics::inter_token((now - last).as_secs_f64()),
+                    }
                     let text = match self.text.push(&self.model.tokenizer, token) {
                         Ok(text) => text,
                         Err(e) => return self.failed(ServeError::Engine(e.to_string()).into()),
@@ -90,6 +101,7 @@ impl Output {
                     let out = self.stops.push(&text);
                     if out.matched.is_some() {
                         self.events = None;
+                        metrics::request_done(self.submitted.elapsed().as_secs_f64(), "stop");
                         let usage = self.usage(self.completion_tokens, None);
                         return Piece {
                             text: out.text,
@@ -120,6 +132,7 @@ impl Output {
                             (out.text + &self.stops.finish(), reason)
                         }
                     };
+                    metrics::request_done(self.submitted.elapsed().as_secs_f64(), reason);
                     let usage = self.usage(usage.completion_tokens, Some(usage.cached_tokens));
                     return Piece {
                         text,
@@ -136,6 +149,7 @@ impl Output {
 
     fn failed(&mut self, error: ApiError) -> Piece {
         self.events = None;
+        metrics::request_done(self.submitted.elapsed().as_secs_f64(), "error");
         Piece {
             text: String::new(),
             end: Some(End::Failed(error)),
@@ -268,6 +282,7 @@ impl Output {
                     bytes += "data: [DONE]\n\n";
                 }
                 Some(End::Failed(error)) => {
+                    metrics::error_answered(error.code);
                     bytes += &sse(&error.body());
                     bytes += "data: [DONE]\n\n";
                 }

@@ -1,0 +1,112 @@
+//! Prometheus metrics at `GET /metrics`, named `snapserve_*` with units in the names.
+//!
+//! Two sources. The actors' own counters (queue, pool, snapshot store, scheduler, memory) are
+//! read with [`Handles::stats`] when Prometheus scrapes, so nothing on the step path updates a
+//! metric for them. Latencies are recorded where they happen: time to first token, time
+//! between tokens and request duration by the HTTP layer, step duration by the scheduler loop.
+//! Without an installed recorder (library use, tests) the recording calls do nothing.
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::start::Handles;
+
+/// Bucket bounds, in seconds, of every `_seconds` histogram: from a fast decode step to a long
+/// request.
+const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0,
+];
+
+/// Installs the process-wide Prometheus recorder; its handle renders the text format.
+pub fn install() -> Result<PrometheusHandle, BuildError> {
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)?
+        .install_recorder()
+}
+
+/// Sets the gauges and counters that mirror the actors' state, then renders everything.
+pub async fn render(handles: &Handles, prometheus: &PrometheusHandle) -> String {
+    let stats = handles.stats().await;
+    let scheduler = stats.scheduler;
+    gauge!("snapserve_queue_requests").set(scheduler.queued as f64);
+    gauge!("snapserve_running_requests").set(scheduler.running as f64);
+    for (outcome, count) in [
+        ("finished", scheduler.finished),
+        ("failed", scheduler.failed),
+        ("cancelled", scheduler.cancelled),
+    ] {
+        counter!("snapserve_requests_total", "outcome" => outcome).absolute(count);
+    }
+    counter!("snapserve_generation_tokens_total").absolute(scheduler.generated_tokens);
+    counter!("snapserve_prefix_reused_tokens_total").absolute(scheduler.restored_tokens);
+    counter!("snapserve_context_full_backoffs_total").absolute(scheduler.backoffs);
+    counter!("snapserve_preemptions_total").absolute(scheduler.preemptions);
+    counter!("snapserve_scheduler_steps_total").absolute(scheduler.steps);
+    counter!("snapserve_multi_step_steps_total").absolute(scheduler.multi_steps);
+
+    let pool = stats.pool;
+    let usage = pool.used_pages as f64 / pool.total_pages.max(1) as f64;
+    gauge!("snapserve_kv_pool_usage_ratio").set(usage);
+    for (state, pages) in [
+        ("used", pool.used_pages),
+        ("free", pool.free_pages),
+        ("reserved", pool.reserved_pages),
+    ] {
+        gauge!("snapserve_kv_pool_pages", "state" => state).set(pages as f64);
+    }
+
+    let store = stats.store;
+    for (tier, t) in [("device", store.device), ("host", store.host)] {
+        gauge!("snapserve_snapshot_bytes", "tier" => tier).set(t.charged_bytes as f64);
+        gauge!("snapserve_snapshot_budget_bytes", "tier" => tier).set(t.budget_bytes as f64);
+        gauge!("snapserve_snapshots", "tier" => tier).set(t.snapshots as f64);
+    }
+    counter!("snapserve_snapshot_hits_total").absolute(store.hits);
+    counter!("snapserve_snapshot_misses_total").absolute(store.misses);
+    counter!("snapserve_snapshot_evictions_total").absolute(store.evictions);
+    counter!("snapserve_snapshot_demotions_total").absolute(store.demotions);
+    counter!("snapserve_snapshot_refusals_total").absolute(store.refusals);
+    counter!("snapserve_snapshot_saves_total").absolute(store.saves_committed);
+
+    let memory = stats.memory;
+    for (kind, bytes) in [
+        ("weights", memory.weights_bytes),
+        ("kv_pool", memory.pool_bytes),
+        ("device_snapshots", memory.device_snapshot_bytes),
+        ("host_snapshots", memory.host_snapshot_bytes),
+    ] {
+        gauge!("snapserve_memory_bytes", "kind" => kind).set(bytes as f64);
+    }
+    // Histograms keep their samples until upkeep folds them in; a scrape is the moment.
+    prometheus.run_upkeep();
+    prometheus.render()
+}
+
+/// A request's prompt, counted when it is accepted.
+pub fn prompt_accepted(tokens: usize) {
+    counter!("snapserve_prompt_tokens_total").increment(tokens as u64);
+}
+
+pub fn time_to_first_token(seconds: f64) {
+    histogram!("snapserve_time_to_first_token_seconds").record(seconds);
+}
+
+pub fn inter_token(seconds: f64) {
+    histogram!("snapserve_inter_token_latency_seconds").record(seconds);
+}
+
+pub fn request_done(seconds: f64, finish_reason: &'static str) {
+    histogram!("snapserve_request_duration_seconds", "finish_reason" => finish_reason)
+        .record(seconds);
+}
+
+/// An HTTP error answer, by its code.
+pub fn error_answered(code: &'static str) {
+    counter!("snapserve_request_errors_total", "code" => code).increment(1);
+}
+
+/// One scheduler step from planning to the engine's answer.
+pub fn step_done(seconds: f64) {
+    histogram!("snapserve_step_duration_seconds").record(seconds);
+}
