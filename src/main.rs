@@ -41,6 +41,8 @@ struct Cli {
 enum Command {
     /// Serve a model through the OpenAI-compatible HTTP API.
     Serve(ServeArgs),
+    /// Send streaming completions to a running server and report what clients saw.
+    Loadtest(LoadtestArgs),
     /// Download and convert an embedded model; prints the model folder last.
     FetchModel(FetchModelArgs),
     /// Generate text from a prompt on the CPU, streaming it to stdout.
@@ -166,6 +168,37 @@ struct ServeArgs {
 }
 
 #[derive(Args)]
+struct LoadtestArgs {
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    url: String,
+
+    #[arg(long, default_value_t = 200)]
+    requests: usize,
+
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+
+    /// Words of each shared opening (of each whole prompt with --prefixes 0).
+    #[arg(long, default_value_t = 400)]
+    prefix_words: usize,
+
+    /// Distinct shared openings the requests draw from; 0 makes every prompt new.
+    #[arg(long, default_value_t = 4)]
+    prefixes: usize,
+
+    /// Words each request adds after its opening; 0 repeats whole prompts.
+    #[arg(long, default_value_t = 12)]
+    suffix_words: usize,
+
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Args)]
 struct GenerateArgs {
     /// Model folder [default: the embedded SmolLM2, fetched if missing].
     #[arg(long)]
@@ -232,6 +265,7 @@ fn main() -> Result<()> {
         .unwrap_or_else(|| fetch::default_cache_dir(std::env::home_dir().as_deref()));
     match cli.command {
         Command::Serve(args) => serve(&cache_dir, args),
+        Command::Loadtest(args) => loadtest(args),
         Command::FetchModel(args) => fetch_model(cache_dir, args),
         Command::Generate(args) => generate_text(&cache_dir, args),
         Command::Bench(args) => bench(&cache_dir, args),
@@ -338,6 +372,25 @@ fn serve(cache_dir: &Path, args: ServeArgs) -> Result<()> {
             .await
             .with_context(|| format!("serving on {address}"))
     })
+}
+
+fn loadtest(args: LoadtestArgs) -> Result<()> {
+    let spec = actors::loadtest::LoadSpec {
+        url: args.url,
+        requests: args.requests,
+        concurrency: args.concurrency,
+        prefix_words: args.prefix_words,
+        prefixes: args.prefixes,
+        suffix_words: args.suffix_words,
+        max_tokens: args.max_tokens,
+        seed: args.seed,
+        progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+    };
+    let report = actors::loadtest::run(&spec);
+    print!("{}", report.table());
+    let ok = report.samples.iter().filter(|s| s.error.is_none()).count();
+    anyhow::ensure!(ok > 0, "no request succeeded");
+    Ok(())
 }
 
 fn generate_text(cache_dir: &Path, args: GenerateArgs) -> Result<()> {

@@ -420,3 +420,34 @@ fn serves_on_the_gpu() {
             .join("\n")
     );
 }
+
+#[test]
+fn loadtest_reports_what_clients_saw() {
+    let server = Server::start(&smollm2(), CONFIG);
+    let output = Command::new(env!("CARGO_BIN_EXE_snapserve"))
+        .args(["loadtest", "--url", &server.base, "--requests", "8"])
+        .args([
+            "--concurrency",
+            "2",
+            "--prefix-words",
+            "60",
+            "--prefixes",
+            "1",
+        ])
+        .args(["--suffix-words", "0", "--max-tokens", "4"])
+        .output()
+        .unwrap();
+    let table = String::from_utf8(output.stdout).unwrap();
+    assert!(output.status.success(), "{table}");
+    assert!(table.contains("8 ok, 0 failed"), "{table}");
+    // Every request repeats one prompt: after the first two, they restore its snapshot.
+    let restored = table
+        .lines()
+        .find(|l| l.starts_with("  with a snapshot restored"))
+        .and_then(|l| l.split_whitespace().nth(4))
+        .and_then(|count| count.parse::<usize>().ok())
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(restored >= 4, "{table}");
+    let (_, metrics) = server.get_text("/metrics");
+    assert!(metrics.contains("snapserve_requests_total{outcome=\"finished\"} 8"));
+}

@@ -12,13 +12,14 @@
 //!   without a runtime.
 //! - [`request`], [`error`]: what callers send and receive.
 //! - [`http`]: the OpenAI-compatible HTTP API over [`Handles`]; [`metrics`]: its Prometheus
-//!   metrics.
+//!   metrics; [`loadtest`]: the client side, for `snapserve loadtest`.
 
 pub mod admission;
 pub mod engine;
 pub mod error;
 pub mod http;
 pub mod kv_pool;
+pub mod loadtest;
 pub mod metrics;
 pub mod request;
 pub mod scheduler;
