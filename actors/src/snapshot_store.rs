@@ -30,10 +30,12 @@ impl Actor for SnapshotStore {
 pub enum StoreOp {
     /// The longest stored prefix of a chain.
     Lookup(Vec<PrefixHash>),
-    /// Pins a snapshot and plans its copy into the head of `pages`.
+    /// Pins a snapshot and plans the copy of its first `pages` pages (a lookup hit's) into the
+    /// head of `page_table`.
     BeginRestore {
         snapshot: SnapshotId,
-        pages: Vec<PageId>,
+        pages: usize,
+        page_table: Vec<PageId>,
     },
     FinishRestore(SnapshotId),
     /// Charges a snapshot of `chain` in `tier`, evicting as needed.
@@ -71,9 +73,11 @@ impl SnapshotStore {
     pub fn apply(&mut self, op: StoreOp) -> StoreReply {
         match op {
             StoreOp::Lookup(chain) => StoreReply::Lookup(self.store.lookup_longest(&chain)),
-            StoreOp::BeginRestore { snapshot, pages } => {
-                StoreReply::Restore(self.store.begin_restore(snapshot, &pages))
-            }
+            StoreOp::BeginRestore {
+                snapshot,
+                pages,
+                page_table,
+            } => StoreReply::Restore(self.store.begin_restore(snapshot, pages, &page_table)),
             StoreOp::FinishRestore(snapshot) => {
                 StoreReply::Done(self.store.finish_restore(snapshot))
             }

@@ -60,6 +60,47 @@ async fn a_saved_system_prompt_is_restored_for_a_conversation_and_changes_nothin
 }
 
 #[actix_rt::test]
+async fn a_conversation_restores_the_system_prompt_it_shares_with_an_earlier_one() {
+    // The system prompt is not saved on its own: the first conversation saves its whole
+    // prompt, and the second restores the head the two share.
+    let files = ModelFiles::open(&smollm2()).unwrap();
+    let system = SYSTEM.repeat(5);
+    let first = chat(&files, &system, "Where do I put a glass vase?");
+    let second = chat(&files, &system, "How many people lift a 40 kg parcel?");
+    let shared = first
+        .iter()
+        .zip(&second)
+        .take_while(|(a, b)| a == b)
+        .count();
+    assert!(
+        shared >= 16 * PAGE,
+        "the conversations share {shared} tokens"
+    );
+    let request = GenerateRequest {
+        prompt: second,
+        params: greedy(12),
+    };
+    let expected = solo(&files, &request);
+
+    let config = serve_config(&files, policies("[snapshots]\nmin_save_tokens = 32\n"));
+    let handles = actors::start(Box::new(cpu_backend(&files, 96)), config).unwrap();
+    let warm = GenerateRequest {
+        prompt: first,
+        params: greedy(2),
+    };
+    assert!(finished(
+        &handles.submit(warm).await.unwrap().collect().await
+    ));
+    wait_idle(&handles).await;
+    let completion = handles.submit(request).await.unwrap().collect().await;
+    assert_eq!(completion.tokens, expected);
+    let stats = wait_idle(&handles).await;
+    let restored = (shared / PAGE * PAGE) as u64;
+    assert_eq!(stats.scheduler.restored_tokens, restored, "{stats:?}");
+    assert_eq!(stats.store.hits, 1, "{stats:?}");
+}
+
+#[actix_rt::test]
 async fn preemption_by_snapshot_on_smollm2_keeps_every_output() {
     let files = ModelFiles::open(&smollm2()).unwrap();
     let questions = [

@@ -148,7 +148,11 @@ fn restore_and_hash(c: &mut Criterion) {
     let table: Vec<PageId> = (0..64).map(|page| PageId(page * 3)).collect();
     c.bench_function("store restore plan + unpin, 64 pages", |b| {
         b.iter(|| {
-            black_box(store.begin_restore(hit.snapshot, &table).unwrap());
+            black_box(
+                store
+                    .begin_restore(hit.snapshot, hit.pages, &table)
+                    .unwrap(),
+            );
             store.finish_restore(hit.snapshot).unwrap()
         })
     });

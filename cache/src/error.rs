@@ -76,6 +76,15 @@ pub enum CacheError {
         snapshot_pages: usize,
         table_pages: usize,
     },
+    #[error(
+        "cannot restore {asked_pages} pages of {snapshot}, which has {snapshot_pages} \
+         (a head needs at least one page and a snapshot without fixed state)"
+    )]
+    RestoreLength {
+        snapshot: SnapshotId,
+        asked_pages: usize,
+        snapshot_pages: usize,
+    },
 
     // Frames.
     #[error("frame truncated: needed {needed} bytes, got {found}")]

@@ -136,7 +136,9 @@ fn save_reuse_restore(freed: usize) -> (Vec<Vec<u8>>, Vec<u8>, bool) {
         .expect("the snapshot outlived its pages");
     let reader = pool.admit(prompt.len() + 4, 4).unwrap();
     let table = pool.extend(reader, hit.tokens).unwrap().to_vec();
-    let plan = store.begin_restore(hit.snapshot, &table).unwrap();
+    let plan = store
+        .begin_restore(hit.snapshot, hit.pages, &table)
+        .unwrap();
     let frame = Frame::decode(&frame_bytes).unwrap();
     frame.check_payload(&engine.buffers[&plan.backing]).unwrap();
     engine.restore(plan.backing, &plan.copies);

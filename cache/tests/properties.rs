@@ -236,12 +236,17 @@ impl Model {
         (!ids.is_empty()).then(|| ids[pick % ids.len()])
     }
 
+    /// The longest prefix of `query` a findable snapshot covers: all of it, or a head of at
+    /// least one index stride (16 pages) that it shares with `query`.
     fn longest(&self, query: &[PrefixHash]) -> Option<usize> {
         self.findable
             .iter()
             .map(|id| &self.chains[id])
-            .filter(|chain| query.starts_with(chain))
-            .map(Vec::len)
+            .filter_map(|chain| {
+                let shared = chain.iter().zip(query).take_while(|(a, b)| a == b).count();
+                (shared == chain.len() || shared >= 16).then_some(shared)
+            })
+            .filter(|&shared| shared > 0)
             .max()
     }
 
@@ -366,7 +371,9 @@ fn apply_store_op(store: &mut SnapshotStore, model: &mut Model, op: StoreOp) {
                 return;
             };
             let table: Vec<PageId> = (0..70).map(PageId).collect();
-            store.begin_restore(id, &table).unwrap();
+            store
+                .begin_restore(id, model.chains[&id].len(), &table)
+                .unwrap();
             *model.pins.entry(id).or_default() += 1;
         }
         StoreOp::Unpin { pick } => {

@@ -452,7 +452,8 @@ impl Scheduler {
             job.restoring = Some(hit.snapshot);
             ops.push(StoreOp::BeginRestore {
                 snapshot: hit.snapshot,
-                pages: slot.pages.clone(),
+                pages: hit.pages,
+                page_table: slot.pages.clone(),
             });
             draft
                 .store_purposes

@@ -7,7 +7,8 @@
 //!   second save of the same prefix is recognised. A hit here is the proof of a match: a chain
 //!   hash names its whole prefix.
 //! - `boundaries`: every [`STRIDE_PAGES`]-th page boundary of every published snapshot, with
-//!   how many snapshots pass through it, its parent boundary (so a snapshot is unindexed from
+//!   the snapshots that pass through it (`via`, for restoring part of a longer snapshot), its
+//!   parent boundary (so a snapshot is unindexed from
 //!   its end alone), and how many published snapshots end at each of the next `STRIDE_PAGES`
 //!   lengths with this as their deepest boundary (`ends`; `root_ends` for snapshots shorter
 //!   than one stride).
@@ -23,7 +24,7 @@
 //! O(p / STRIDE_PAGES). Indexing every page instead made a save that evicts a 64-page snapshot
 //! among 10,000 cost 16 µs (a cache miss per page boundary); the stride brings it under 2 µs.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::ids::SnapshotId;
@@ -32,6 +33,7 @@ use crate::prefix::PrefixHash;
 /// A map keyed by a `u64` newtype. Prefix hashes are already uniform and snapshot ids are
 /// sequential, so one multiply spreads both; SipHash's resistance to chosen keys buys nothing.
 pub(crate) type U64Map<K, V> = HashMap<K, V, BuildHasherDefault<U64Hasher>>;
+pub(crate) type U64Set<K> = HashSet<K, BuildHasherDefault<U64Hasher>>;
 
 #[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct U64Hasher(u64);
@@ -55,10 +57,12 @@ impl Hasher for U64Hasher {
 /// Pages between indexed boundaries.
 pub(crate) const STRIDE_PAGES: usize = 16;
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Boundary {
     parent: Option<PrefixHash>,
-    through: u32,
+    /// The published snapshots that pass through it (a set: a popular head has thousands, and
+    /// unpublishing one must not scan them).
+    via: U64Set<SnapshotId>,
     /// `ends[o]`: published snapshots of `depth + o` pages whose deepest boundary this is.
     ends: [u32; STRIDE_PAGES],
 }
@@ -123,14 +127,15 @@ impl PrefixIndex {
     /// Makes the claimed snapshot of `pages` pages ending with `end` findable; `boundaries` is
     /// `strided` of its chain.
     pub(crate) fn publish(&mut self, end: PrefixHash, pages: usize, boundaries: &[PrefixHash]) {
+        let id = self.by_end[&end].snapshot;
         let mut parent = None;
         for &hash in boundaries {
             let fresh = Boundary {
                 parent,
-                through: 0,
+                via: U64Set::default(),
                 ends: [0; STRIDE_PAGES],
             };
-            self.boundaries.entry(hash).or_insert(fresh).through += 1;
+            self.boundaries.entry(hash).or_insert(fresh).via.insert(id);
             parent = Some(hash);
         }
         self.ends_after(parent)
@@ -143,11 +148,13 @@ impl PrefixIndex {
 
     /// Reverses `publish` for the snapshot of `pages` pages ending with `end`, and unclaims it.
     pub(crate) fn unpublish(&mut self, end: PrefixHash, pages: usize) {
-        let deepest = self
+        let End {
+            snapshot: id,
+            deepest_boundary: deepest,
+        } = *self
             .by_end
             .get(&end)
-            .expect("a published snapshot is claimed")
-            .deepest_boundary;
+            .expect("a published snapshot is claimed");
         self.ends_after(deepest)
             .expect("a published snapshot's boundaries are indexed")[pages % STRIDE_PAGES] -= 1;
         let mut next = deepest;
@@ -155,9 +162,13 @@ impl PrefixIndex {
             let boundary = self.boundaries.get_mut(&hash).expect(
                 "every boundary of a published snapshot is indexed until it is unpublished",
             );
-            boundary.through -= 1;
+            let listed = boundary.via.remove(&id);
+            debug_assert!(
+                listed,
+                "a published snapshot is listed at each of its boundaries"
+            );
             next = boundary.parent;
-            if boundary.through == 0 {
+            if boundary.via.is_empty() {
                 self.boundaries.remove(&hash);
             }
         }
@@ -194,6 +205,20 @@ impl PrefixIndex {
                     let id = self.ending_at(query[pages - 1])?;
                     usable(id, pages).then_some(id)
                 })
+        })
+    }
+
+    /// The stride boundaries of `query` that published snapshots pass through, deepest first,
+    /// each with its depth in strides and those snapshots: each shares at least that many
+    /// strides of pages with `query`, and none from a shallower boundary shares more than the
+    /// next stride.
+    pub(crate) fn shared_heads<'a>(
+        &'a self,
+        query: &'a [PrefixHash],
+    ) -> impl Iterator<Item = (usize, &'a U64Set<SnapshotId>)> + 'a {
+        (1..=self.shared_strides(query)).rev().map(move |strides| {
+            let boundary = &self.boundaries[&query[strides * STRIDE_PAGES - 1]];
+            (strides, &boundary.via)
         })
     }
 

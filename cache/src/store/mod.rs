@@ -18,6 +18,9 @@
 //!   copy succeeded, `abort_save` refunds. An unpublished snapshot is never found, restored or
 //!   evicted.
 //! - A pinned snapshot (a restore in flight) is never evicted.
+//! - A lookup finds the longest prefix a published snapshot covers: a whole snapshot, or,
+//!   when snapshots hold KV only (no fixed per-sequence state), the first pages of a longer
+//!   one that shares at least one index stride ([`index::STRIDE_PAGES`] pages) with the query.
 //!
 //! Snapshot life: `Saving` → `Ready` (↔ pinned while restoring) → evicted, or → `Demoting` (its
 //! bytes on their way from the device tier to the host tier) → `Ready` on the host tier.
@@ -64,7 +67,8 @@ pub struct SnapshotInfo {
     pub pins: u32,
 }
 
-/// A successful lookup: restoring `snapshot` saves prefilling its `tokens`.
+/// A successful lookup: restoring the first `pages` of `snapshot` (all of it, or a head it
+/// shares with the query) saves prefilling its `tokens`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LookupHit {
     pub snapshot: SnapshotId,
@@ -213,6 +217,8 @@ enum State {
 #[derive(Debug, Clone)]
 struct Snapshot {
     end: PrefixHash,
+    /// The chained hash of every page: a query that shares only its head is compared here.
+    chain: Box<[PrefixHash]>,
     pages: usize,
     bytes: u64,
     tier: Tier,
@@ -231,6 +237,10 @@ impl Snapshot {
         }
     }
 }
+
+/// At most this many snapshots sharing a query's deepest stride are compared for the pages
+/// after it.
+const MAX_HEAD_CANDIDATES: usize = 64;
 
 /// The snapshot store. See the module documentation for what it promises.
 #[derive(Debug)]
@@ -384,6 +394,7 @@ impl SnapshotStore {
         let pages = chain.len();
         let record = Snapshot {
             end,
+            chain: chain.into(),
             pages,
             bytes,
             tier,
@@ -505,22 +516,56 @@ impl SnapshotStore {
         Ok(())
     }
 
-    /// The published snapshot covering the longest prefix of `chain` (whole snapshots only: its
-    /// every page must match). A hit is a use.
+    /// The published snapshot covering the longest prefix of `chain`: a whole snapshot, or the
+    /// head of a longer one (see the module's promises). A hit is a use.
     pub fn lookup_longest(&mut self, chain: &[PrefixHash]) -> Option<LookupHit> {
         let snapshots = &self.snapshots;
-        let found = self.index.longest(chain, |id, pages| {
+        let whole = self.index.longest(chain, |id, pages| {
             let snapshot = &snapshots[&id];
             matches!(snapshot.state, State::Ready) && snapshot.pages == pages
         });
-        let Some(id) = found else {
+        let mut best = whole.map(|id| (id, snapshots[&id].pages));
+        // A head of a snapshot with fixed per-sequence state would restore state of the
+        // wrong position: only KV-only snapshots lend their heads.
+        let heads_usable = self.geometry.fixed_state_bytes == 0;
+        for (strides, via) in self.index.shared_heads(chain).filter(|_| heads_usable) {
+            // Each shares `start` pages; a few are compared page by page for the rest, which
+            // bounds a lookup however many snapshots share a popular head.
+            let start = strides * index::STRIDE_PAGES;
+            let reach = (start + index::STRIDE_PAGES - 1).min(chain.len());
+            if best.is_some_and(|(_, whole)| whole >= reach) {
+                break;
+            }
+            let mut head: Option<(SnapshotId, usize)> = None;
+            for &id in via.iter().take(MAX_HEAD_CANDIDATES) {
+                let snapshot = &snapshots[&id];
+                if !matches!(snapshot.state, State::Ready) {
+                    continue;
+                }
+                let more = chain[start..]
+                    .iter()
+                    .zip(&snapshot.chain[start..])
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                if head.is_none_or(|(_, pages)| start + more > pages) {
+                    head = Some((id, start + more));
+                }
+            }
+            // The deepest boundary with a usable snapshot has the longest head.
+            if let Some((id, pages)) = head {
+                if best.is_none_or(|(_, whole)| pages > whole) {
+                    best = Some((id, pages));
+                }
+                break;
+            }
+        }
+        let Some((id, pages)) = best else {
             self.counters.misses += 1;
             return None;
         };
         self.counters.hits += 1;
         self.touch(id);
         let snapshot = &self.snapshots[&id];
-        let pages = snapshot.pages;
         let tokens = pages * self.geometry.kv.page_tokens;
         Some(LookupHit {
             snapshot: id,
@@ -530,22 +575,33 @@ impl SnapshotStore {
         })
     }
 
-    /// Pins snapshot `id` and plans its restore into the head of `page_table` (the new slot's
-    /// pages). A restore is a use. Call `finish_restore` when the copies are done or failed.
+    /// Pins snapshot `id` and plans the restore of its first `pages` pages (a lookup hit's)
+    /// into the head of `page_table` (the new slot's pages). A restore is a use. Call
+    /// `finish_restore` when the copies are done or failed.
     pub fn begin_restore(
         &mut self,
         id: SnapshotId,
+        pages: usize,
         page_table: &[PageId],
     ) -> Result<RestorePlan, CacheError> {
+        let geometry = self.geometry;
         let snapshot = self.snapshot_in(id, SnapshotState::Ready)?;
-        let copies = page_copies(snapshot.pages, page_table)?;
+        let partial = pages < snapshot.pages;
+        if pages == 0 || pages > snapshot.pages || (partial && geometry.fixed_state_bytes > 0) {
+            return Err(CacheError::RestoreLength {
+                snapshot: id,
+                asked_pages: pages,
+                snapshot_pages: snapshot.pages,
+            });
+        }
+        let copies = page_copies(pages, page_table)?;
         snapshot.pins += 1;
-        let (backing, tier, bytes, pages) = (
-            snapshot.backing,
-            snapshot.tier,
-            snapshot.bytes,
-            snapshot.pages,
-        );
+        let (backing, tier) = (snapshot.backing, snapshot.tier);
+        let bytes = if partial {
+            geometry.bytes_for_pages(pages)
+        } else {
+            snapshot.bytes
+        };
         self.touch(id);
         let tokens = pages * self.geometry.kv.page_tokens;
         Ok(RestorePlan {

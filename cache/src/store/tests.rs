@@ -219,7 +219,7 @@ fn a_failed_save_refunds_its_charge_and_publishes_nothing() {
 fn a_pinned_snapshot_survives_pressure_that_evicts_everything_else() {
     let mut store = store();
     let [a, b, c, d] = [1, 2, 3, 4].map(|page| save(&mut store, &[page]).0);
-    store.begin_restore(b, &[PageId(0)]).unwrap();
+    store.begin_restore(b, 1, &[PageId(0)]).unwrap();
     let (x, evicted) = save(&mut store, &[5, 5, 5, 5]);
     assert_eq!(evicted, vec![a, c, d]);
     let refused = store.begin_save(&chain(&[6, 6, 6, 6, 6]), Tier::Device);
@@ -345,7 +345,7 @@ fn an_evicted_device_snapshot_is_demoted_when_the_host_has_room() {
         (20, 2, 3)
     );
     assert_eq!(
-        store.begin_restore(a, &[PageId(3)]).unwrap().tier,
+        store.begin_restore(a, 1, &[PageId(3)]).unwrap().tier,
         Tier::Host
     );
 }
@@ -395,17 +395,17 @@ fn restore_plans_map_snapshot_rows_to_the_pages_given_same_base_or_relocated() {
         vec![(0, 4), (1, 5), (2, 6)]
     );
     let id = store.commit_save(reservation).unwrap();
-    let same_base = store.begin_restore(id, &saved_from).unwrap();
+    let same_base = store.begin_restore(id, 3, &saved_from).unwrap();
     assert_eq!(rows(&same_base.copies), vec![(0, 4), (1, 5), (2, 6)]);
     assert_eq!(
         (same_base.tokens, same_base.bytes, same_base.backing),
         (15, 30, BackingId(1))
     );
     let relocated = store
-        .begin_restore(id, &[PageId(9), PageId(0), PageId(7)])
+        .begin_restore(id, 3, &[PageId(9), PageId(0), PageId(7)])
         .unwrap();
     assert_eq!(rows(&relocated.copies), vec![(0, 9), (1, 0), (2, 7)]);
-    let short = store.begin_restore(id, &[PageId(9)]);
+    let short = store.begin_restore(id, 3, &[PageId(9)]);
     assert_eq!(
         short,
         Err(CacheError::ShortPageTable {
@@ -424,7 +424,7 @@ fn restore_plans_map_snapshot_rows_to_the_pages_given_same_base_or_relocated() {
 fn a_restore_pins_until_it_is_finished() {
     let mut store = store();
     let (id, _) = save(&mut store, &[1]);
-    store.begin_restore(id, &[PageId(0)]).unwrap();
+    store.begin_restore(id, 1, &[PageId(0)]).unwrap();
     assert_eq!(store.discard(id), Err(CacheError::Pinned { snapshot: id }));
     store.finish_restore(id).unwrap();
     assert_eq!(
@@ -456,7 +456,7 @@ fn a_reservation_is_committed_once_and_frames_describe_it() {
     );
     frame.validate().unwrap();
     let id = store.commit_save(reservation).unwrap();
-    let plan = store.begin_restore(id, &[PageId(1), PageId(2)]).unwrap();
+    let plan = store.begin_restore(id, 2, &[PageId(1), PageId(2)]).unwrap();
     let frame = plan.frame(slot, 0xabcd);
     assert_eq!(
         (frame.kind, frame.snapshot, frame.byte_len),
@@ -481,6 +481,7 @@ fn a_reservation_is_committed_once_and_frames_describe_it() {
 
 #[test]
 fn lookup_finds_the_longest_match_on_either_side_of_an_indexed_boundary() {
+    // Whole snapshots, and heads of longer ones once a query shares a stride (16 pages).
     let mut store = roomy_store();
     let lengths = [3, 15, 16, 17, 32, 40];
     let ids: Vec<SnapshotId> = lengths
@@ -493,9 +494,9 @@ fn lookup_finds_the_longest_match_on_either_side_of_an_indexed_boundary() {
     for (shared, expected) in [
         (50, 40),
         (40, 40),
-        (39, 32),
+        (39, 39),
         (32, 32),
-        (31, 17),
+        (31, 31),
         (17, 17),
         (16, 16),
         (15, 15),
@@ -526,4 +527,58 @@ fn the_store_and_the_pool_can_move_to_an_actor_thread() {
     send::<SnapshotStore>();
     send::<crate::pool::PagePool>();
     send::<SaveReservation>();
+}
+
+#[test]
+fn a_query_sharing_a_stride_restores_the_head_of_a_longer_snapshot() {
+    let mut store = roomy_store();
+    let (long, _) = save(&mut store, &conversation(40, 0));
+    // 20 pages in common, then another question.
+    let hit = store.lookup_longest(&chain(&conversation(20, 7))).unwrap();
+    assert_eq!(
+        (hit.snapshot, hit.pages, hit.tokens),
+        (long, 20, 20 * PAGE_TOKENS)
+    );
+    let table: Vec<PageId> = (0..20).map(|p| PageId(100 + p)).collect();
+    let plan = store.begin_restore(long, hit.pages, &table).unwrap();
+    assert_eq!(plan.copies.len(), 20);
+    assert_eq!(
+        (plan.copies[19].snapshot_page, plan.copies[19].pool_page),
+        (19, PageId(119))
+    );
+    assert_eq!(plan.tokens, 20 * PAGE_TOKENS);
+    assert_eq!(plan.bytes, store.geometry.bytes_for_pages(20));
+    store.finish_restore(long).unwrap();
+    // Fewer than a stride in common: nothing to restore.
+    assert_eq!(store.lookup_longest(&chain(&conversation(15, 7))), None);
+    assert_eq!(
+        store.begin_restore(long, 41, &table),
+        Err(CacheError::RestoreLength {
+            snapshot: long,
+            asked_pages: 41,
+            snapshot_pages: 40
+        })
+    );
+}
+
+#[test]
+fn snapshots_with_fixed_state_lend_no_heads() {
+    let config = SnapshotConfig {
+        device_budget_bytes: 100_000,
+        ..Default::default()
+    };
+    let mut store = SnapshotStore::new(geometry(8), &config.validate().unwrap());
+    let (long, _) = save(&mut store, &conversation(40, 0));
+    assert_eq!(store.lookup_longest(&chain(&conversation(39, 2))), None);
+    let table: Vec<PageId> = (0..40).map(PageId).collect();
+    assert!(matches!(
+        store.begin_restore(long, 20, &table),
+        Err(CacheError::RestoreLength { .. })
+    ));
+    assert_eq!(
+        store
+            .lookup_longest(&chain(&conversation(40, 2)))
+            .map(|h| h.pages),
+        Some(40)
+    );
 }
