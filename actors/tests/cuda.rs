@@ -93,6 +93,30 @@ async fn the_actors_serve_on_the_gpu() {
         (shared.len() / PAGE * PAGE) as u64
     );
 
+    // A prompt sharing 18 pages with a longer saved one restores that head.
+    let document = prompt(77, 25 * PAGE, vocab);
+    let saved = GenerateRequest {
+        prompt: document.clone(),
+        params: greedy(2),
+    };
+    assert!(finished(
+        &handles.submit(saved).await.unwrap().collect().await
+    ));
+    let before = wait_idle(&handles).await;
+    let question = GenerateRequest {
+        prompt: [&document[..18 * PAGE + 5], &prompt(78, 30, vocab)[..]].concat(),
+        params: greedy(4),
+    };
+    assert!(finished(
+        &handles.submit(question).await.unwrap().collect().await
+    ));
+    let after = wait_idle(&handles).await;
+    assert_eq!(after.store.hits, before.store.hits + 1);
+    assert_eq!(
+        after.scheduler.restored_tokens - before.scheduler.restored_tokens,
+        (18 * PAGE) as u64
+    );
+
     // Cancelled mid-stream: every page comes back.
     let mut streams = Vec::new();
     for i in 0..16 {
