@@ -339,7 +339,9 @@ fn serve(cache_dir: &Path, args: ServeArgs) -> Result<()> {
         &policies.admission,
     );
     eprintln!("loading {}", dir.display());
-    let backend = select::load(&files, kind, &cpu, &cuda)?;
+    let mut backend = select::load(&files, kind, &cpu, &cuda)?;
+    let took = engine::backend::warm_up(backend.as_mut(), 64)?;
+    eprintln!("warmed up in {:.0} ms", took.as_secs_f64() * 1e3);
     let info = backend.info().clone();
     eprintln!(
         "{} backend: {} KV pages of {} tokens, context {} tokens",

@@ -16,7 +16,7 @@ use std::ops::Range;
 use cache::{BackingId, KvGeometry, PageCopy, PageId, Tier};
 
 use crate::error::{EngineError, Result};
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, SamplingParams};
 
 /// Which logits a row wants back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -223,4 +223,85 @@ pub trait Backend: Send {
     fn copy_backing(&mut self, from: BackingId, to: BackingId) -> Result<()>;
 
     fn memory(&self) -> MemoryReport;
+}
+
+/// Runs one prefill of `prompt_tokens` tokens and one decode step, sampled greedily, through
+/// the first pages of the pool, so that what a backend sets up on first use (kernels loaded,
+/// GEMM plans chosen, the batch-1 decode graph captured) is paid before the first request
+/// rather than by it. The pages written hold nothing anyone reads: a page's bytes are only
+/// trusted once a sequence has written them. Returns how long it took.
+pub fn warm_up(backend: &mut dyn Backend, prompt_tokens: usize) -> Result<std::time::Duration> {
+    let started = std::time::Instant::now();
+    let info = backend.info().clone();
+    let tokens = prompt_tokens.clamp(1, info.max_positions.saturating_sub(1).max(1));
+    let pages = info.geometry.pages_for(tokens + 1);
+    if pages > info.num_pages {
+        return Ok(started.elapsed());
+    }
+    let table: Vec<PageId> = (0..pages as u32).map(PageId).collect();
+    let mut sampler = Sampler::new(&SamplingParams::default(), &[]);
+    let prefill = StepPlan {
+        rows: vec![RowPlan {
+            tokens: (0..tokens as u32)
+                .map(|t| t % info.vocab_size as u32)
+                .collect(),
+            start_pos: 0,
+            pages: table.clone(),
+            logits: LogitsWanted::Last,
+        }],
+    };
+    let first = backend.step_and_sample(&prefill, &mut [Some(&mut sampler)])?;
+    let decode = StepPlan {
+        rows: vec![RowPlan {
+            tokens: vec![first[0].unwrap_or(0)],
+            start_pos: tokens,
+            pages: table,
+            logits: LogitsWanted::Last,
+        }],
+    };
+    backend.step_and_sample(&decode, &mut [Some(&mut sampler)])?;
+    Ok(started.elapsed())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::{CpuBackend, CpuOptions};
+    use crate::model::ModelFiles;
+    use crate::model::synthetic::{self, SyntheticSpec};
+
+    #[test]
+    fn a_warmed_up_backend_computes_what_a_fresh_one_does() {
+        let dir = tempfile::tempdir().unwrap();
+        synthetic::write(dir.path(), &SyntheticSpec::tiny(9)).unwrap();
+        let files = ModelFiles::open(dir.path()).unwrap();
+        let options = CpuOptions {
+            threads: 1,
+            page_tokens: 16,
+            num_pages: 8,
+        };
+        let plan = StepPlan {
+            rows: vec![RowPlan {
+                tokens: (3..40).collect(),
+                start_pos: 0,
+                pages: (0..3).map(PageId).collect(),
+                logits: LogitsWanted::All,
+            }],
+        };
+        let mut fresh = CpuBackend::load(&files, &options).unwrap();
+        let expected = fresh.step(&plan).unwrap();
+        let mut warmed = CpuBackend::load(&files, &options).unwrap();
+        warm_up(&mut warmed, 64).unwrap();
+        assert_eq!(warmed.step(&plan).unwrap(), expected);
+        // A pool too small for the warm-up is left alone.
+        let mut small = CpuBackend::load(
+            &files,
+            &CpuOptions {
+                num_pages: 2,
+                ..options
+            },
+        )
+        .unwrap();
+        warm_up(&mut small, 64).unwrap();
+    }
 }
