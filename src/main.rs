@@ -365,14 +365,17 @@ fn serve(cache_dir: &Path, args: ServeArgs) -> Result<()> {
             .map_err(|e| tracing::warn!("metrics are disabled: {e}"))
             .ok();
         let state = ApiState {
-            handles,
+            handles: handles.clone(),
             model: Arc::new(model),
             prometheus,
         };
         eprintln!("serving {name} on http://{address}");
-        http::serve(state, &address, args.http_workers)
+        let served = http::serve(state, &address, args.http_workers)
             .await
-            .with_context(|| format!("serving on {address}"))
+            .with_context(|| format!("serving on {address}"));
+        handles.shutdown().await;
+        eprintln!("stopped");
+        served
     })
 }
 

@@ -139,6 +139,30 @@ impl Server {
     }
 }
 
+impl Server {
+    /// Stops the server as an operator would (SIGTERM) and checks that it exits cleanly.
+    fn stop_gracefully(mut self) {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        assert!(sent.success());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(
+                    status.success(),
+                    "snapserve exited with {status} after SIGTERM"
+                );
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "snapserve ignored SIGTERM for 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -419,6 +443,7 @@ fn serves_on_the_gpu() {
             .collect::<Vec<_>>()
             .join("\n")
     );
+    server.stop_gracefully();
 }
 
 #[test]
@@ -450,4 +475,5 @@ fn loadtest_reports_what_clients_saw() {
     assert!(restored >= 4, "{table}");
     let (_, metrics) = server.get_text("/metrics");
     assert!(metrics.contains("snapserve_requests_total{outcome=\"finished\"} 8"));
+    server.stop_gracefully();
 }

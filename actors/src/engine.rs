@@ -12,7 +12,8 @@
 
 use actix::{Actor, Handler, Message, MessageResult, SyncContext};
 use cache::{BackingId, Eviction, PageCopy, SnapshotId, Tier};
-use engine::backend::{Backend, MemoryReport, RowPlan, StepPlan};
+use engine::EngineError;
+use engine::backend::{Backend, BackendInfo, MemoryReport, RowPlan, StepOutput, StepPlan};
 use engine::sampling::Sampler;
 
 use crate::request::is_stop_token;
@@ -350,6 +351,55 @@ impl Handler<EngineStep> for Engine {
 
     fn handle(&mut self, step: EngineStep, _: &mut SyncContext<Self>) -> Self::Result {
         MessageResult(self.run(step))
+    }
+}
+
+/// Releases the backend (its device memory, context and libraries' state) on the engine's own
+/// thread and answers once it is gone, so that a process can exit without the engine thread
+/// still tearing a GPU context down. Every later step fails with `ShutDown`.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Shutdown;
+
+impl Handler<Shutdown> for Engine {
+    type Result = ();
+
+    fn handle(&mut self, _: Shutdown, _: &mut SyncContext<Self>) {
+        let info = self.backend.info().clone();
+        // Dropped here, before the reply.
+        self.backend = Box::new(Stopped { info });
+    }
+}
+
+/// The backend after [`Shutdown`]: holds nothing and refuses everything.
+struct Stopped {
+    info: BackendInfo,
+}
+
+impl Backend for Stopped {
+    fn info(&self) -> &BackendInfo {
+        &self.info
+    }
+    fn step(&mut self, _: &StepPlan) -> Result<StepOutput, EngineError> {
+        Err(EngineError::ShutDown)
+    }
+    fn alloc_backing(&mut self, _: BackingId, _: Tier, _: u64) -> Result<(), EngineError> {
+        Err(EngineError::ShutDown)
+    }
+    fn free_backing(&mut self, _: BackingId) -> Result<(), EngineError> {
+        Ok(())
+    }
+    fn save_pages(&mut self, _: BackingId, _: &[PageCopy]) -> Result<(), EngineError> {
+        Err(EngineError::ShutDown)
+    }
+    fn restore_pages(&mut self, _: BackingId, _: &[PageCopy]) -> Result<(), EngineError> {
+        Err(EngineError::ShutDown)
+    }
+    fn copy_backing(&mut self, _: BackingId, _: BackingId) -> Result<(), EngineError> {
+        Err(EngineError::ShutDown)
+    }
+    fn memory(&self) -> MemoryReport {
+        MemoryReport::default()
     }
 }
 

@@ -153,6 +153,13 @@ impl Handles {
         self.admission.do_send(Cancel(id));
     }
 
+    /// Releases the backend on the engine's thread and waits until it is gone; requests still
+    /// running fail. Call it before the process exits, so no thread is still tearing a GPU
+    /// context down when the CUDA libraries unload.
+    pub async fn shutdown(&self) {
+        let _ = self.engine.send(crate::engine::Shutdown).await;
+    }
+
     pub async fn stats(&self) -> Stats {
         let stopped = "the actors run as long as their handles";
         Stats {

@@ -147,6 +147,7 @@ async fn an_engine_error_fails_only_the_requests_in_that_step() {
         inner: cpu_backend(&model.files, 128),
         fail_at_step: 3,
         steps: 0,
+        dropped: Default::default(),
     };
     // One request at a time, so a step holds exactly one request.
     let config = serve_config(&model.files, policies("[admission]\nmax_running = 1\n"));
@@ -186,4 +187,43 @@ async fn futures_collect(streams: Vec<actors::RequestStream>) -> Vec<actors::Com
         out.push(stream.collect().await);
     }
     out
+}
+
+#[actix_rt::test]
+async fn shutdown_releases_the_backend_and_later_requests_fail_clearly() {
+    let model = TinyModel::new();
+    let vocab = model.files.config.vocab_size;
+    let dropped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let backend = FailingBackend {
+        inner: cpu_backend(&model.files, 64),
+        fail_at_step: usize::MAX,
+        steps: 0,
+        dropped: dropped.clone(),
+    };
+    let handles =
+        actors::start(Box::new(backend), serve_config(&model.files, policies(""))).unwrap();
+    let request = GenerateRequest {
+        prompt: prompt(1, 20, vocab),
+        params: greedy(3),
+    };
+    assert!(finished(
+        &handles
+            .submit(request.clone())
+            .await
+            .unwrap()
+            .collect()
+            .await
+    ));
+    handles.shutdown().await;
+    assert!(
+        dropped.load(std::sync::atomic::Ordering::SeqCst),
+        "the backend is gone once shutdown returns"
+    );
+    let after = handles.submit(request).await.unwrap().collect().await;
+    match after.end {
+        Event::Failed(ServeError::Engine(reason)) => {
+            assert!(reason.contains("shut down"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
 }

@@ -103,6 +103,10 @@ pub enum EngineError {
     #[error("invalid step: {0}")]
     InvalidStep(String),
 
+    /// The backend was released on shutdown; nothing more runs.
+    #[error("the engine has shut down")]
+    ShutDown,
+
     #[error("invalid sampling parameter `{name}`: {reason}")]
     InvalidSampling { name: &'static str, reason: String },
 

@@ -179,6 +179,15 @@ pub struct FailingBackend {
     pub inner: CpuBackend,
     pub fail_at_step: usize,
     pub steps: usize,
+    /// Set when the backend is dropped.
+    pub dropped: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Drop for FailingBackend {
+    fn drop(&mut self) {
+        self.dropped
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl Backend for FailingBackend {
