@@ -44,10 +44,17 @@ serve() {
     exit 1
 }
 
+# stop NAME: keeps /metrics, stops the server with SIGTERM and checks it exits cleanly.
+failures=0
 stop() {
     curl -s "localhost:$port/metrics" > "$out/$1.metrics.txt" || true
     kill "$server"
-    wait "$server" || true
+    local status=0
+    wait "$server" || status=$?
+    if [ "$status" -ne 0 ]; then
+        echo "the $1 server exited with status $status after SIGTERM" >&2
+        failures=$((failures + 1))
+    fi
 }
 
 # run NAME ARGS...: one loadtest against the running server.
@@ -81,3 +88,4 @@ stop shared
 serve fresh "$config"
 run all-new --prefixes 0 --seed 1
 stop fresh
+exit $((failures > 0))

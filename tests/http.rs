@@ -375,7 +375,8 @@ fn serves_on_the_gpu() {
     engine::model::synthetic::write(model.path(), &spec).unwrap();
     let config = "[engine]\ngpu_memory_fraction = 0.5\n[cache]\npool_tokens = 65536\n\
                   [admission]\nmax_running = 32\ndecode_steps = 4\n\
-                  [snapshots]\nmin_save_tokens = 32\n";
+                  [snapshots]\nmin_save_tokens = 32\ndevice_budget_bytes = 8388608\n\
+                  host_budget_bytes = 1073741824\ndemote_to_host = true\n";
     let server = Server::start_on("cuda", model.path(), config);
     let prompt: Vec<u32> = (0..100).map(|i| 10 + i * 7 % 200).collect();
     let request = json!({"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": true});
@@ -430,7 +431,23 @@ fn serves_on_the_gpu() {
     streamed["stream"] = json!(true);
     let events = server.post_stream("/v1/completions", &streamed);
     assert_eq!(events.last().unwrap(), "[DONE]");
+    // Distinct prompts overflow the 8 MiB device tier: snapshots demote to pinned host
+    // memory, which the backend must release before the process exits.
+    std::thread::scope(|scope| {
+        for i in 0..16u32 {
+            let server = &server;
+            scope.spawn(move || {
+                let prompt: Vec<u32> = (0..100).map(|t| 10 + (t * 13 + i * 31) % 240).collect();
+                let request = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
+                assert_eq!(server.post("/v1/completions", &request).0, 200);
+            });
+        }
+    });
     let (_, metrics) = server.get_text("/metrics");
+    assert!(
+        !metrics.contains("snapserve_snapshot_demotions_total 0\n"),
+        "nothing was demoted: {metrics}"
+    );
     assert!(
         metrics.contains("snapserve_snapshot_hits_total"),
         "{metrics}"
