@@ -10,6 +10,9 @@
 //! the forward pass again on the rows still going, each fed the token it just sampled, so the
 //! scheduler's overhead is paid once for all of them.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use actix::{Actor, Handler, Message, MessageResult, SyncContext};
 use cache::{BackingId, Eviction, PageCopy, SnapshotId, Tier};
 use engine::EngineError;
@@ -22,6 +25,9 @@ pub struct Engine {
     backend: Box<dyn Backend>,
     /// The model's end-of-sequence tokens: a row of a multi-step decode stops after one.
     eos_token_ids: Vec<u32>,
+    /// True while the engine can run steps; cleared when it shuts down or its thread dies
+    /// (a backend that panicked drops the engine while unwinding).
+    alive: Arc<AtomicBool>,
 }
 
 impl Engine {
@@ -29,7 +35,19 @@ impl Engine {
         Engine {
             backend,
             eos_token_ids,
+            alive: Arc::new(AtomicBool::new(true)),
         }
+    }
+
+    /// A flag other threads can read: whether this engine can still run steps.
+    pub fn alive(&self) -> Arc<AtomicBool> {
+        self.alive.clone()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.alive.store(false, Ordering::SeqCst);
     }
 }
 
@@ -366,6 +384,7 @@ impl Handler<Shutdown> for Engine {
 
     fn handle(&mut self, _: Shutdown, _: &mut SyncContext<Self>) {
         let info = self.backend.info().clone();
+        self.alive.store(false, Ordering::SeqCst);
         // Dropped here, before the reply.
         self.backend = Box::new(Stopped { info });
     }

@@ -1,5 +1,8 @@
 //! Starting the actors around a backend, and the handles callers use.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use actix::{Actor, Addr, SyncArbiter};
 use cache::{
     PagePool, PoolConfig, PoolStats, PrefixSalt, SnapshotGeometry, SnapshotStore as Store,
@@ -34,6 +37,7 @@ pub struct Handles {
     pub pool: Addr<KvPool>,
     pub store: Addr<SnapshotStore>,
     pub engine: Addr<Engine>,
+    engine_alive: Arc<AtomicBool>,
 }
 
 /// Every actor's counters at one moment.
@@ -115,6 +119,7 @@ pub fn build(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Parts, Se
 /// Fails when the configuration does not fit the backend (its pages are another size).
 pub fn start(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Handles, ServeError> {
     let parts = build(backend, config)?;
+    let engine_alive = parts.engine.alive();
     // The arbiter asks for a factory it may call again; the engine exists once.
     let engine = std::sync::Mutex::new(Some(parts.engine));
     let engine = SyncArbiter::start(1, move || {
@@ -136,6 +141,7 @@ pub fn start(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Handles, 
         pool,
         store,
         engine,
+        engine_alive,
     })
 }
 
@@ -151,6 +157,12 @@ impl Handles {
     /// Cancels a request; it ends with `Cancelled` within one step.
     pub fn cancel(&self, id: RequestId) {
         self.admission.do_send(Cancel(id));
+    }
+
+    /// Whether the engine can still run steps: false after [`Handles::shutdown`] or once its
+    /// thread has died.
+    pub fn engine_alive(&self) -> bool {
+        self.engine_alive.load(Ordering::SeqCst)
     }
 
     /// Releases the backend on the engine's thread and waits until it is gone; requests still

@@ -219,6 +219,7 @@ async fn shutdown_releases_the_backend_and_later_requests_fail_clearly() {
         dropped.load(std::sync::atomic::Ordering::SeqCst),
         "the backend is gone once shutdown returns"
     );
+    assert!(!handles.engine_alive());
     let after = handles.submit(request).await.unwrap().collect().await;
     match after.end {
         Event::Failed(ServeError::Engine(reason)) => {

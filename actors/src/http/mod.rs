@@ -101,8 +101,14 @@ pub async fn serve(state: ApiState, address: &str, workers: usize) -> std::io::R
     .await
 }
 
-async fn health() -> HttpResponse {
-    HttpResponse::Ok().json(json!({"status": "ok"}))
+/// 200 while the engine's thread is alive; 503 once it has died (a backend that panicked), so
+/// that a load balancer stops sending requests that could only fail.
+async fn health(state: web::Data<ApiState>) -> HttpResponse {
+    if state.handles.engine_alive() {
+        HttpResponse::Ok().json(json!({"status": "ok"}))
+    } else {
+        HttpResponse::ServiceUnavailable().json(json!({"status": "the engine has stopped"}))
+    }
 }
 
 async fn models(state: web::Data<ApiState>) -> HttpResponse {
