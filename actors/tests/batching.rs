@@ -6,6 +6,18 @@ mod common;
 use actors::{Event, GenerateRequest};
 use common::*;
 
+/// Prompts for SmolLM2: plain text, code, a count and a chat turn.
+const PROMPTS: [&str; 8] = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a village by the sea,",
+    "1, 2, 3, 4,",
+    "<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n",
+    "The quick brown fox",
+    "Water boils at",
+    "In 1492,",
+];
+
 #[actix_rt::test]
 async fn sixty_four_concurrent_greedy_requests_match_their_solo_runs() {
     let model = TinyModel::new();
@@ -38,16 +50,7 @@ async fn sixty_four_concurrent_greedy_requests_match_their_solo_runs() {
 #[actix_rt::test]
 async fn concurrent_requests_on_smollm2_match_their_solo_runs() {
     let files = engine::model::ModelFiles::open(&smollm2()).unwrap();
-    let texts = [
-        "The capital of France is",
-        "def fibonacci(n):",
-        "Once upon a time, in a village by the sea,",
-        "1, 2, 3, 4,",
-        "<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n",
-        "The quick brown fox",
-        "Water boils at",
-        "In 1492,",
-    ];
+    let texts = PROMPTS;
     let requests: Vec<GenerateRequest> = texts
         .iter()
         .enumerate()
@@ -108,16 +111,7 @@ async fn every_request_ends_with_exactly_one_terminal_event() {
 #[actix_rt::test]
 async fn multi_step_decoding_on_smollm2_gives_every_request_its_solo_tokens() {
     let files = engine::model::ModelFiles::open(&smollm2()).unwrap();
-    let texts = [
-        "The capital of France is",
-        "def fibonacci(n):",
-        "Once upon a time, in a village by the sea,",
-        "1, 2, 3, 4,",
-        "<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n",
-        "The quick brown fox",
-        "Water boils at",
-        "In 1492,",
-    ];
+    let texts = PROMPTS;
     // Greedy and seeded sampled requests, max_tokens that are not multiples of the 4 steps,
     // and stop token ids taken from a request's own solo run, so that rows stop part-way
     // through a multi-step decode.

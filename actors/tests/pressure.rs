@@ -8,6 +8,19 @@ use actors::{Event, GenerateRequest, ServeError};
 use common::*;
 use engine::sampling::SamplingParams;
 
+/// Eight jobs of 40 to 61 prompt tokens that each generate `max_tokens(i)` tokens.
+fn crowding(vocab: usize, max_tokens: impl Fn(usize) -> usize) -> Vec<GenerateRequest> {
+    (0..8)
+        .map(|i| GenerateRequest {
+            prompt: prompt(100 + i as u64, 40 + 3 * i, vocab),
+            params: SamplingParams {
+                ignore_eos: true,
+                ..greedy(max_tokens(i))
+            },
+        })
+        .collect()
+}
+
 fn crowded(on_exhausted: &str) -> String {
     crowded_with(on_exhausted, 1)
 }
@@ -26,15 +39,7 @@ async fn context_full_backs_off_then_preempts_by_snapshot_and_every_job_still_ma
     let model = TinyModel::new();
     let vocab = model.files.config.vocab_size;
     // Eight jobs of up to 7 pages each share 24 pages: they cannot all grow at once.
-    let requests: Vec<GenerateRequest> = (0..8)
-        .map(|i| GenerateRequest {
-            prompt: prompt(100 + i, 40 + 3 * i as usize, vocab),
-            params: SamplingParams {
-                ignore_eos: true,
-                ..greedy(60)
-            },
-        })
-        .collect();
+    let requests = crowding(vocab, |_| 60);
     let expected: Vec<Vec<u32>> = requests.iter().map(|r| solo(&model.files, r)).collect();
     let config = serve_config(&model.files, policies(&crowded("preempt")));
     let handles = actors::start(Box::new(cpu_backend(&model.files, 24)), config).unwrap();
@@ -56,15 +61,7 @@ async fn context_full_backs_off_then_preempts_by_snapshot_and_every_job_still_ma
 async fn under_pressure_multi_step_decoding_still_gives_every_job_its_tokens() {
     let model = TinyModel::new();
     let vocab = model.files.config.vocab_size;
-    let requests: Vec<GenerateRequest> = (0..8)
-        .map(|i| GenerateRequest {
-            prompt: prompt(100 + i, 40 + 3 * i as usize, vocab),
-            params: SamplingParams {
-                ignore_eos: true,
-                ..greedy(57 + i as usize)
-            },
-        })
-        .collect();
+    let requests = crowding(vocab, |i| 57 + i);
     let expected: Vec<Vec<u32>> = requests.iter().map(|r| solo(&model.files, r)).collect();
     let config = serve_config(&model.files, policies(&crowded_with("preempt", 4)));
     let handles = actors::start(Box::new(cpu_backend(&model.files, 24)), config).unwrap();
