@@ -337,21 +337,10 @@ impl CudaBackend {
             },
         )?;
         let splits = forward::decode_splits(&self.device, bucket, self.config.num_kv_heads);
-        // Field by field, so that the graphs can be borrowed mutably beside it.
-        let forward = Forward {
-            config: &self.config,
-            weights: &self.weights,
-            kernels: &self.kernels,
-            gemm: &self.gemm,
-            ws: &self.ws,
-            meta: self.meta.buffers(),
-            pool: &self.pool,
-            page_tokens: self.info.geometry.page_tokens,
-            gemv_max_tokens: self.gemv_max_tokens,
-            gemv_max_weight_bytes: self.gemv_max_weight_bytes,
-        };
-        let graphs = self.graphs.as_mut().expect("only called with graphs on");
-        graphs.replay(&self.device, bucket, || {
+        // Out of `self` while replaying, so that `forward()` can borrow the rest of it.
+        let mut graphs = self.graphs.take().expect("only called with graphs on");
+        let forward = self.forward();
+        let replayed = graphs.replay(&self.device, bucket, || {
             forward.run(
                 bucket,
                 AttentionMode::Decode {
@@ -360,7 +349,9 @@ impl CudaBackend {
                 },
             )?;
             forward.logits(0, bucket)
-        })?;
+        });
+        self.graphs = Some(graphs);
+        replayed?;
         Ok((layout, true))
     }
 
