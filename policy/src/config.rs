@@ -7,6 +7,8 @@
 //! never looks at a device: a pool sized as a fraction of free memory stays a fraction here, and
 //! the engine resolves it.
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 
 use crate::backoff::{BackoffPolicy, OnExhausted};
@@ -27,6 +29,7 @@ pub struct Config {
     pub snapshots: SnapshotConfig,
     pub backoff: BackoffConfig,
     pub admission: AdmissionConfig,
+    pub server: ServerConfig,
 }
 
 /// Which backend runs the model.
@@ -137,7 +140,33 @@ pub struct AdmissionConfig {
     /// that a request arriving meanwhile waits up to that many steps to be admitted, and a
     /// sequence that stops early holds its pages until the batch's last step.
     pub decode_steps: usize,
+    /// The longest an engine step should take, in milliseconds: prompt chunks are cut so that
+    /// a step's predicted time stays under it (the prediction is learnt from the steps run so
+    /// far), which bounds how long a decoding sequence waits behind someone's long prompt.
+    /// Unset: [`DEFAULT_MAX_STEP_MS_GPU`] on a GPU, [`DEFAULT_MAX_STEP_MS_CPU`] on the CPU.
+    pub max_step_ms: Option<u64>,
 }
+
+/// `[server]`: the HTTP server's limits on slow or idle clients, and its shutdown.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Seconds SIGTERM lets requests in flight run before it cuts them. Unset: long enough
+    /// for a request of the whole context at the decode speed measured at start-up, and at
+    /// least [`MIN_SHUTDOWN_GRACE_S`].
+    pub shutdown_grace_s: Option<u64>,
+    /// Seconds a client has to send a request's whole body once its headers are in.
+    pub body_timeout_s: u64,
+    /// Seconds a client has to send a request's line and headers.
+    pub header_timeout_s: u64,
+    /// Seconds an idle keep-alive connection stays open; 0 closes each after one response.
+    pub keep_alive_s: u64,
+    /// Connections each HTTP worker holds at once; more wait in the kernel's backlog.
+    pub max_connections: usize,
+}
+
+/// The shortest default shutdown grace, in seconds.
+pub const MIN_SHUTDOWN_GRACE_S: u64 = 120;
 
 impl Default for CacheConfig {
     fn default() -> Self {
@@ -183,6 +212,24 @@ impl Default for AdmissionConfig {
             max_running: 32,
             step_token_budget: 2_048,
             decode_steps: 1,
+            max_step_ms: None,
+        }
+    }
+}
+
+/// The default `admission.max_step_ms` on a GPU, and on the CPU, where a step's fixed cost
+/// (reading every weight once) is a larger share (BENCHMARKS.md has the measurements).
+pub const DEFAULT_MAX_STEP_MS_GPU: u64 = 100;
+pub const DEFAULT_MAX_STEP_MS_CPU: u64 = 250;
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            shutdown_grace_s: None,
+            body_timeout_s: 30,
+            header_timeout_s: 5,
+            keep_alive_s: 5,
+            max_connections: 4_096,
         }
     }
 }
@@ -254,6 +301,7 @@ pub struct AdmissionPolicy {
     max_running: usize,
     step_token_budget: usize,
     decode_steps: usize,
+    max_step: Option<Duration>,
 }
 
 impl AdmissionPolicy {
@@ -269,7 +317,54 @@ impl AdmissionPolicy {
     pub fn decode_steps(&self) -> usize {
         self.decode_steps
     }
+    /// The configured step time limit, or the default for the backend.
+    pub fn max_step(&self, on_gpu: bool) -> Duration {
+        self.max_step.unwrap_or(Duration::from_millis(if on_gpu {
+            DEFAULT_MAX_STEP_MS_GPU
+        } else {
+            DEFAULT_MAX_STEP_MS_CPU
+        }))
+    }
 }
+
+/// Validated `[server]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerPolicy {
+    shutdown_grace: Option<Duration>,
+    body_timeout: Duration,
+    header_timeout: Duration,
+    keep_alive: Duration,
+    max_connections: usize,
+}
+
+impl ServerPolicy {
+    /// The configured grace, or the default for a server whose longest request generates
+    /// `max_tokens` tokens at `decode_step` each: that time with half again for a busy batch,
+    /// and never under [`MIN_SHUTDOWN_GRACE_S`].
+    pub fn shutdown_grace(&self, max_tokens: usize, decode_step: Duration) -> Duration {
+        self.shutdown_grace.unwrap_or_else(|| {
+            let needed = decode_step.mul_f64(max_tokens as f64 * 1.5);
+            needed
+                .max(Duration::from_secs(MIN_SHUTDOWN_GRACE_S))
+                .min(Duration::from_secs(MAX_SHUTDOWN_GRACE_S))
+        })
+    }
+    pub fn body_timeout(&self) -> Duration {
+        self.body_timeout
+    }
+    pub fn header_timeout(&self) -> Duration {
+        self.header_timeout
+    }
+    pub fn keep_alive(&self) -> Duration {
+        self.keep_alive
+    }
+    pub fn max_connections(&self) -> usize {
+        self.max_connections
+    }
+}
+
+/// The longest default shutdown grace, in seconds: an hour.
+const MAX_SHUTDOWN_GRACE_S: u64 = 3_600;
 
 /// Everything the cache manager and the scheduler are built from.
 #[derive(Debug, Clone, PartialEq)]
@@ -279,6 +374,7 @@ pub struct Policies {
     pub snapshots: SnapshotPolicy,
     pub backoff: BackoffPolicy,
     pub admission: AdmissionPolicy,
+    pub server: ServerPolicy,
 }
 
 impl Policies {
@@ -301,6 +397,7 @@ impl Config {
             snapshots: self.snapshots.validate()?,
             backoff: self.backoff.validate()?,
             admission: self.admission.validate()?,
+            server: self.server.validate()?,
         })
     }
 }
@@ -433,11 +530,41 @@ impl AdmissionConfig {
             "admission.decode_steps",
             || format!("must be between 1 and {MAX_DECODE_STEPS}, got {steps}"),
         )?;
+        require(self.max_step_ms != Some(0), "admission.max_step_ms", || {
+            "must be at least 1".to_string()
+        })?;
         Ok(AdmissionPolicy {
             max_queue: self.max_queue,
             max_running: self.max_running,
             step_token_budget: self.step_token_budget,
             decode_steps: self.decode_steps,
+            max_step: self.max_step_ms.map(Duration::from_millis),
+        })
+    }
+}
+
+impl ServerConfig {
+    pub fn validate(&self) -> Result<ServerPolicy, PolicyError> {
+        if let Some(grace) = self.shutdown_grace_s {
+            require(grace >= 1, "server.shutdown_grace_s", || {
+                "must be at least 1".to_string()
+            })?;
+        }
+        for (key, seconds) in [
+            ("server.body_timeout_s", self.body_timeout_s),
+            ("server.header_timeout_s", self.header_timeout_s),
+        ] {
+            require(seconds >= 1, key, || "must be at least 1".to_string())?;
+        }
+        require(self.max_connections >= 1, "server.max_connections", || {
+            "must be at least 1".to_string()
+        })?;
+        Ok(ServerPolicy {
+            shutdown_grace: self.shutdown_grace_s.map(Duration::from_secs),
+            body_timeout: Duration::from_secs(self.body_timeout_s),
+            header_timeout: Duration::from_secs(self.header_timeout_s),
+            keep_alive: Duration::from_secs(self.keep_alive_s),
+            max_connections: self.max_connections,
         })
     }
 }
@@ -476,6 +603,39 @@ mod tests {
         assert_eq!(policies.snapshots.device_budget_bytes(), 1 << 30);
         assert_eq!(policies.backoff.on_exhausted(), OnExhausted::Preempt);
         assert_eq!(policies.admission.max_running(), 32);
+        assert_eq!(
+            policies.admission.max_step(true),
+            Duration::from_millis(100)
+        );
+        assert_eq!(
+            policies.admission.max_step(false),
+            Duration::from_millis(250)
+        );
+        assert!(
+            policies
+                .server
+                .shutdown_grace(8192, Duration::from_millis(1))
+                == Duration::from_secs(120)
+        );
+    }
+
+    #[test]
+    fn the_server_section_reads_its_keys_and_the_grace_follows_the_decode_speed() {
+        let p = Policies::from_toml(
+            "[server]\nbody_timeout_s = 7\nkeep_alive_s = 0\n[admission]\nmax_step_ms = 40\n",
+        )
+        .unwrap();
+        assert_eq!(p.server.body_timeout(), Duration::from_secs(7));
+        assert_eq!(p.server.keep_alive(), Duration::ZERO);
+        assert_eq!(p.admission.max_step(true), Duration::from_millis(40));
+        // 8,192 tokens at 25 ms, with half again: 307.2 s.
+        let grace = p.server.shutdown_grace(8192, Duration::from_millis(25));
+        assert_eq!(grace, Duration::from_millis(307_200));
+        let p = Policies::from_toml("[server]\nshutdown_grace_s = 9\n").unwrap();
+        assert_eq!(
+            p.server.shutdown_grace(8192, Duration::from_millis(25)),
+            Duration::from_secs(9)
+        );
     }
 
     #[test]
@@ -582,6 +742,18 @@ mod tests {
         assert_eq!(
             invalid_key("[admission]\ndecode_steps = 65"),
             "admission.decode_steps"
+        );
+        assert_eq!(
+            invalid_key("[admission]\nmax_step_ms = 0"),
+            "admission.max_step_ms"
+        );
+        assert_eq!(
+            invalid_key("[server]\nbody_timeout_s = 0"),
+            "server.body_timeout_s"
+        );
+        assert_eq!(
+            invalid_key("[server]\nshutdown_grace_s = 0"),
+            "server.shutdown_grace_s"
         );
     }
 

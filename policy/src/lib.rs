@@ -9,6 +9,8 @@
 //! - [`eviction`]: the order in which unpinned snapshots are given up ([`EvictionPolicy`], [`Lru`]).
 //! - [`reservation`]: how many tokens a sequence reserves at admission ([`ReservationPolicy`]).
 //! - [`backoff`]: per-job capped exponential back-off with jitter ([`Backoff`]).
+//! - [`step_time`]: the learnt time of an engine step, which sizes prompt chunks to
+//!   `admission.max_step_ms` ([`StepTimeModel`]).
 //! - [`error`]: the crate's one error type, [`PolicyError`].
 
 pub mod backoff;
@@ -16,12 +18,14 @@ pub mod config;
 pub mod error;
 pub mod eviction;
 pub mod reservation;
+pub mod step_time;
 
 pub use backoff::{Backoff, BackoffPolicy, BackoffStep, OnExhausted};
 pub use config::{
     AdmissionConfig, AdmissionPolicy, BackendKind, BackoffConfig, CacheConfig, CachePolicy, Config,
-    EngineConfig, Policies, PoolSize, SnapshotConfig, SnapshotPolicy,
+    EngineConfig, Policies, PoolSize, ServerConfig, ServerPolicy, SnapshotConfig, SnapshotPolicy,
 };
 pub use error::PolicyError;
 pub use eviction::{EvictionKind, EvictionPolicy, Lru};
 pub use reservation::ReservationPolicy;
+pub use step_time::{StepTimeFit, StepTimeModel};

@@ -1,0 +1,199 @@
+//! How many tokens one engine step may hold so that it ends within `admission.max_step_ms`.
+//!
+//! Owns a small online model of a step's time, `seconds = fixed + per_token × tokens`, fitted
+//! by least squares over the recent steps with exponential forgetting, so that it follows the
+//! rising per-token cost of a long prompt's later chunks. It never measures anything itself:
+//! the scheduler feeds it each step's token count and the engine's time for it.
+//!
+//! When the recent steps all had about the same size, the two terms cannot be told apart; the
+//! model then charges the whole time per token (`fixed = 0`). That overestimates what a larger
+//! step costs, so a step sized from it stays under the limit, and its time teaches the model
+//! the slope.
+//!
+//! Costs: O(1) per observation and per prediction, five floats of state.
+
+use std::time::Duration;
+
+/// Weight the past keeps at each new observation: about the last ten steps count.
+const KEEP: f64 = 0.9;
+
+/// Below this spread of step sizes (standard deviation over mean), the slope is not trusted.
+const MIN_RELATIVE_SPREAD: f64 = 0.1;
+
+/// Exponentially weighted sums of `1, x, y, x², xy` over observed steps (`x` tokens, `y` s).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimeModel {
+    w: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+/// The model's current estimate of a step's time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepTimeFit {
+    pub fixed_seconds: f64,
+    pub per_token_seconds: f64,
+}
+
+impl StepTimeFit {
+    /// The predicted time of a step of `tokens` tokens.
+    pub fn seconds(&self, tokens: usize) -> f64 {
+        self.fixed_seconds + self.per_token_seconds * tokens as f64
+    }
+
+    /// The most tokens whose predicted time is at most `limit` (0 when even the fixed part
+    /// is over it).
+    pub fn tokens_within(&self, limit: Duration) -> usize {
+        let room = limit.as_secs_f64() - self.fixed_seconds;
+        if room <= 0.0 {
+            return 0;
+        }
+        // Rounding must not lose a whole token where the quotient is an integer.
+        let tokens = room / self.per_token_seconds * (1.0 + 1e-9);
+        if tokens >= usize::MAX as f64 {
+            usize::MAX
+        } else {
+            tokens as usize
+        }
+    }
+}
+
+impl StepTimeModel {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a step of `tokens` tokens that took `seconds`. Empty steps teach nothing.
+    pub fn observe(&mut self, tokens: usize, seconds: f64) {
+        if tokens == 0 || !seconds.is_finite() || seconds < 0.0 {
+            return;
+        }
+        let (x, y) = (tokens as f64, seconds);
+        self.w = self.w * KEEP + 1.0;
+        self.x = self.x * KEEP + x;
+        self.y = self.y * KEEP + y;
+        self.xx = self.xx * KEEP + x * x;
+        self.xy = self.xy * KEEP + x * y;
+    }
+
+    /// The fit, once a step has been observed.
+    pub fn fit(&self) -> Option<StepTimeFit> {
+        if self.w == 0.0 || self.x <= 0.0 {
+            return None;
+        }
+        let (mean_x, mean_y) = (self.x / self.w, self.y / self.w);
+        let proportional = StepTimeFit {
+            fixed_seconds: 0.0,
+            per_token_seconds: (mean_y / mean_x).max(f64::MIN_POSITIVE),
+        };
+        let variance = (self.xx / self.w - mean_x * mean_x).max(0.0);
+        if variance.sqrt() < MIN_RELATIVE_SPREAD * mean_x {
+            return Some(proportional);
+        }
+        let slope = (self.xy / self.w - mean_x * mean_y) / variance;
+        let fixed = mean_y - slope * mean_x;
+        if slope <= 0.0 || fixed < 0.0 {
+            // Noise, or a cost that is not linear in the tokens: the safe reading.
+            return Some(proportional);
+        }
+        Some(StepTimeFit {
+            fixed_seconds: fixed,
+            per_token_seconds: slope,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-9 * b.abs().max(1.0)
+    }
+
+    #[test]
+    fn nothing_observed_gives_no_fit() {
+        let mut model = StepTimeModel::new();
+        assert_eq!(model.fit(), None);
+        model.observe(0, 1.0);
+        assert_eq!(model.fit(), None);
+    }
+
+    #[test]
+    fn linear_steps_are_recovered_exactly() {
+        let mut model = StepTimeModel::new();
+        for tokens in [1, 40, 7, 300, 2, 128] {
+            model.observe(tokens, 0.02 + 0.003 * tokens as f64);
+        }
+        let fit = model.fit().unwrap();
+        assert!(close(fit.fixed_seconds, 0.02), "{fit:?}");
+        assert!(close(fit.per_token_seconds, 0.003), "{fit:?}");
+        assert_eq!(fit.tokens_within(Duration::from_millis(250)), 76);
+        assert_eq!(fit.tokens_within(Duration::from_millis(10)), 0);
+    }
+
+    #[test]
+    fn steps_of_one_size_charge_the_whole_time_per_token() {
+        let mut model = StepTimeModel::new();
+        for _ in 0..5 {
+            model.observe(4, 0.02);
+        }
+        let fit = model.fit().unwrap();
+        assert_eq!(fit.fixed_seconds, 0.0);
+        assert!(close(fit.per_token_seconds, 0.005));
+    }
+
+    #[test]
+    fn a_negative_slope_falls_back_to_the_proportional_reading() {
+        let mut model = StepTimeModel::new();
+        model.observe(10, 0.5);
+        model.observe(100, 0.1);
+        let fit = model.fit().unwrap();
+        assert_eq!(fit.fixed_seconds, 0.0);
+        // The weighted means: the older step counts 0.9.
+        let expected = (0.9 * 0.5 + 0.1) / (0.9 * 10.0 + 100.0);
+        assert!(close(fit.per_token_seconds, expected), "{fit:?}");
+    }
+
+    /// A scheduler that sizes each step from the model and feeds back the true time reaches
+    /// steps just under the limit, from a start that overestimates or underestimates.
+    #[test]
+    fn sizing_steps_from_the_model_converges_under_the_limit() {
+        let truth = |tokens: usize| 0.022 + 0.0027 * tokens as f64;
+        let limit = Duration::from_millis(250);
+        let best = ((0.25 - 0.022) / 0.0027) as usize;
+        for start in [1, 16, 4_000] {
+            let mut model = StepTimeModel::new();
+            model.observe(start, truth(start));
+            let mut tokens = start;
+            for _ in 0..12 {
+                tokens = model.fit().unwrap().tokens_within(limit).max(1);
+                model.observe(tokens, truth(tokens));
+            }
+            assert!(
+                tokens <= best && tokens + best / 20 >= best,
+                "{start}: {tokens}"
+            );
+        }
+    }
+
+    /// Later chunks of a long prompt cost more per token (attention over a longer context: on
+    /// SmolLM2 the per-token cost triples over 8k positions, about 1% a chunk); the forgetting
+    /// follows them.
+    #[test]
+    fn a_rising_cost_is_followed() {
+        let limit = Duration::from_millis(250);
+        let mut model = StepTimeModel::new();
+        let mut tokens = 64;
+        let mut per_token = 0.002;
+        for _ in 0..100 {
+            model.observe(tokens, 0.02 + per_token * tokens as f64);
+            tokens = model.fit().unwrap().tokens_within(limit).max(1);
+            per_token *= 1.01;
+        }
+        let actual = 0.02 + per_token * tokens as f64;
+        assert!(actual < 0.25 * 1.15, "{tokens} tokens take {actual} s");
+    }
+}
