@@ -3,6 +3,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use actors::ServeConfig;
 use actors::http::{self, ApiState, Model};
@@ -165,6 +166,21 @@ struct ServeArgs {
     /// Threads answering HTTP (the engine has its own).
     #[arg(long, default_value_t = 2)]
     http_workers: usize,
+
+    /// Serve a model of the shape --model-config gives with weights drawn on the GPU from
+    /// --seed (CUDA only), with --model's tokenizer and chat template; the vocabulary is cut
+    /// to the tokenizer's, so every sampled token has text. For measuring a shape one has
+    /// no checkpoint of.
+    #[arg(long, requires = "model_config")]
+    random_weights: bool,
+
+    /// A config.json giving the model shape for --random-weights.
+    #[arg(long)]
+    model_config: Option<PathBuf>,
+
+    /// Seed of --random-weights.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 #[derive(Args)]
@@ -196,6 +212,24 @@ struct LoadtestArgs {
 
     #[arg(long, default_value_t = 0)]
     seed: u64,
+
+    /// Send for this many seconds instead of --requests requests (a soak).
+    #[arg(long)]
+    duration_s: Option<f64>,
+
+    /// Share of clients that hang up before the end (after a random number of chunks, or a
+    /// random wait for a whole answer).
+    #[arg(long, default_value_t = 0.0)]
+    disconnect_fraction: f64,
+
+    /// One more client sends new prompts of this many words back to back beside the load.
+    #[arg(long, default_value_t = 0)]
+    long_prompt_words: usize,
+
+    /// After the load, wait for the server's queue, running requests and used KV pages to
+    /// reach zero (up to a minute) and report them; fail if they do not.
+    #[arg(long)]
+    check_idle: bool,
 }
 
 #[derive(Args)]
@@ -338,15 +372,35 @@ fn serve(cache_dir: &Path, args: ServeArgs) -> Result<()> {
         &policies.snapshots,
         &policies.admission,
     );
-    eprintln!("loading {}", dir.display());
-    let mut backend = select::load(&files, kind, &cpu, &cuda)?;
-    let took = engine::backend::warm_up(backend.as_mut(), 64)?;
-    eprintln!("warmed up in {:.0} ms", took.as_secs_f64() * 1e3);
+    let mut backend = match &args.model_config {
+        Some(shape) if args.random_weights => random_backend(shape, &files, args.seed, &cuda)?,
+        _ => {
+            eprintln!("loading {}", dir.display());
+            select::load(&files, kind, &cpu, &cuda)?
+        }
+    };
+    let warm = engine::backend::warm_up(backend.as_mut(), 64)?;
+    eprintln!("warmed up in {:.0} ms", warm.took.as_secs_f64() * 1e3);
     let info = backend.info().clone();
     eprintln!(
         "{} backend: {} KV pages of {} tokens, context {} tokens",
         info.name, info.num_pages, info.geometry.page_tokens, info.max_positions
     );
+    let server = &policies.server;
+    // Without a measured step (a pool too small to warm up in), a slow CPU's speed.
+    let decode_step = warm.decode_step.unwrap_or(Duration::from_millis(50));
+    let options = http::ServeOptions {
+        address: format!("{}:{}", args.host, args.port),
+        workers: args.http_workers,
+        header_timeout: server.header_timeout(),
+        keep_alive: server.keep_alive(),
+        max_connections: server.max_connections(),
+        shutdown_grace: server.shutdown_grace(info.max_positions, decode_step),
+    };
+    let body = http::BodyLimits {
+        timeout: server.body_timeout(),
+        max_bytes: http::MAX_BODY_BYTES,
+    };
     let name = args.served_model_name.unwrap_or_else(|| {
         dir.file_name()
             .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
@@ -357,10 +411,20 @@ fn serve(cache_dir: &Path, args: ServeArgs) -> Result<()> {
         eos_token_ids: files.eos_token_ids.clone(),
         seed: 0,
     };
-    let address = format!("{}:{}", args.host, args.port);
     actix_rt::System::new().block_on(async move {
         let handles = actors::start(backend, config)?;
-        let model = Model::new(files, name.clone(), info.max_positions);
+        let limit = handles.limit;
+        if limit.pool_bound {
+            tracing::warn!(
+                "the KV pool ({} pages of {} tokens) is smaller than the model's context of {} \
+                 tokens: a sequence may hold at most {} tokens",
+                info.num_pages,
+                info.geometry.page_tokens,
+                info.max_positions,
+                limit.tokens
+            );
+        }
+        let model = Model::new(files, name.clone(), limit);
         let prometheus = actors::metrics::install()
             .map_err(|e| tracing::warn!("metrics are disabled: {e}"))
             .ok();
@@ -368,33 +432,76 @@ fn serve(cache_dir: &Path, args: ServeArgs) -> Result<()> {
             handles: handles.clone(),
             model: Arc::new(model),
             prometheus,
+            body,
         };
-        eprintln!("serving {name} on http://{address}");
-        let served = http::serve(state, &address, args.http_workers)
+        eprintln!(
+            "serving {name} on http://{} (shutdown grace {} s)",
+            options.address,
+            options.shutdown_grace.as_secs()
+        );
+        let served = http::serve(state, &options)
             .await
-            .with_context(|| format!("serving on {address}"));
+            .with_context(|| format!("serving on {}", options.address));
         handles.shutdown().await;
         eprintln!("stopped");
-        served
+        let served = served?;
+        anyhow::ensure!(
+            served.cut == 0,
+            "{} requests were cut at shutdown, still running after the grace of {} s",
+            served.cut,
+            options.shutdown_grace.as_secs()
+        );
+        Ok(())
     })
 }
 
+/// `serve --random-weights`: the shape of `shape` with `files`' vocabulary, weights drawn on
+/// the GPU.
+fn random_backend(
+    shape: &Path,
+    files: &ModelFiles,
+    seed: u64,
+    cuda: &CudaOptions,
+) -> Result<Box<dyn Backend>> {
+    let text = std::fs::read_to_string(shape).with_context(|| shape.display().to_string())?;
+    let mut config = ModelConfig::from_json(&text, shape)?;
+    config.vocab_size = files.tokenizer.vocab_size();
+    eprintln!(
+        "drawing the weights of {} (vocabulary cut to the tokenizer's {}) on the GPU, seed {}",
+        shape.display(),
+        config.vocab_size,
+        seed
+    );
+    let backend = CudaBackend::random(config, seed, cuda)?;
+    tracing::info!("{}", backend.memory_plan());
+    Ok(Box::new(backend))
+}
+
 fn loadtest(args: LoadtestArgs) -> Result<()> {
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&args.disconnect_fraction),
+        "--disconnect-fraction must be in [0, 1], got {}",
+        args.disconnect_fraction
+    );
     let spec = actors::loadtest::LoadSpec {
-        url: args.url,
-        requests: args.requests,
-        concurrency: args.concurrency,
         prefix_words: args.prefix_words,
         prefixes: args.prefixes,
         suffix_words: args.suffix_words,
         max_tokens: args.max_tokens,
         seed: args.seed,
         progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        duration: args.duration_s.map(Duration::from_secs_f64),
+        disconnect_fraction: args.disconnect_fraction,
+        long_prompt_words: args.long_prompt_words,
+        check_idle: args.check_idle,
+        ..actors::loadtest::LoadSpec::new(args.url, args.requests, args.concurrency)
     };
     let report = actors::loadtest::run(&spec);
     print!("{}", report.table());
-    let ok = report.samples.iter().filter(|s| s.error.is_none()).count();
-    anyhow::ensure!(ok > 0, "no request succeeded");
+    anyhow::ensure!(!report.ok().is_empty(), "no request succeeded");
+    if let Some(idle) = report.idle {
+        anyhow::ensure!(idle.idle, "the server was not idle a minute after the load");
+    }
     Ok(())
 }
 

@@ -1,174 +1,19 @@
 //! End to end: the real `snapserve serve` binary with the real SmolLM2 on the CPU, spoken to
 //! over HTTP as an OpenAI client would.
 
-use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::io::{BufReader, Write};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::*;
 use engine::DType;
 use engine::cpu::{CpuBackend, CpuOptions};
 use engine::generate::{Vocabulary, generate};
 use engine::model::ModelFiles;
 use engine::sampling::SamplingParams;
 use serde_json::{Value, json};
-
-/// The SmolLM2 folder `snapserve serve` loads by default, fetched into the shared cache.
-fn smollm2() -> PathBuf {
-    let cache = std::env::var_os("SNAPSERVE_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| engine::fetch::default_cache_dir(std::env::home_dir().as_deref()));
-    engine::fetch::fetch(
-        &engine::fetch::SMOLLM2,
-        &engine::fetch::FetchOptions::new(cache, DType::BF16),
-    )
-    .expect("fetching SmolLM2")
-}
-
-/// A running server, stopped when dropped.
-struct Server {
-    child: Child,
-    base: String,
-    agent: ureq::Agent,
-    _dir: tempfile::TempDir,
-}
-
-impl Server {
-    fn start(model: &Path, config: &str) -> Server {
-        Server::start_on("cpu", model, config)
-    }
-
-    fn start_on(backend: &str, model: &Path, config: &str) -> Server {
-        let dir = tempfile::tempdir().unwrap();
-        let config_path = dir.path().join("serve.toml");
-        std::fs::write(&config_path, config).unwrap();
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        // SNAPSERVE_BIN runs a binary copied to another machine (the GPU test).
-        let binary = std::env::var_os("SNAPSERVE_BIN").map_or_else(
-            || PathBuf::from(env!("CARGO_BIN_EXE_snapserve")),
-            PathBuf::from,
-        );
-        let child = Command::new(binary)
-            .args(["serve", "--backend", backend, "--port", &port.to_string()])
-            .args(["--served-model-name", "smollm2", "--model"])
-            .arg(model)
-            .arg("--config")
-            .arg(&config_path)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting snapserve");
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(120)))
-            .build()
-            .into();
-        let mut server = Server {
-            child,
-            base: format!("http://127.0.0.1:{port}"),
-            agent,
-            _dir: dir,
-        };
-        server.wait_ready();
-        server
-    }
-
-    fn wait_ready(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while Instant::now() < deadline {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                panic!("snapserve exited before serving: {status}");
-            }
-            if let Ok(response) = self.agent.get(format!("{}/health", self.base)).call()
-                && response.status() == 200
-            {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        panic!("snapserve did not answer /health within 120 s");
-    }
-
-    /// POSTs `body`; returns the status, the `Retry-After` header and the JSON answer.
-    fn post(&self, path: &str, body: &Value) -> (u16, Option<String>, Value) {
-        let mut response = self
-            .agent
-            .post(format!("{}{path}", self.base))
-            .send_json(body)
-            .unwrap();
-        let retry_after = response
-            .headers()
-            .get("retry-after")
-            .map(|v| v.to_str().unwrap().to_string());
-        let status = response.status().as_u16();
-        let json = response.body_mut().read_json::<Value>().unwrap();
-        (status, retry_after, json)
-    }
-
-    /// GETs `path` as text.
-    fn get_text(&self, path: &str) -> (u16, String) {
-        let mut response = self
-            .agent
-            .get(format!("{}{path}", self.base))
-            .call()
-            .unwrap();
-        let status = response.status().as_u16();
-        (status, response.body_mut().read_to_string().unwrap())
-    }
-
-    /// POSTs a streaming request; returns every `data:` payload in order.
-    fn post_stream(&self, path: &str, body: &Value) -> Vec<String> {
-        let mut response = self
-            .agent
-            .post(format!("{}{path}", self.base))
-            .send_json(body)
-            .unwrap();
-        assert_eq!(response.status(), 200);
-        let content_type = response.headers().get("content-type").unwrap();
-        assert_eq!(content_type, "text/event-stream");
-        BufReader::new(response.body_mut().as_reader())
-            .lines()
-            .map(|line| line.unwrap())
-            .filter_map(|line| line.strip_prefix("data: ").map(str::to_string))
-            .collect()
-    }
-}
-
-impl Server {
-    /// Stops the server as an operator would (SIGTERM) and checks that it exits cleanly.
-    fn stop_gracefully(mut self) {
-        let pid = self.child.id().to_string();
-        let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-        assert!(sent.success());
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                assert!(
-                    status.success(),
-                    "snapserve exited with {status} after SIGTERM"
-                );
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "snapserve ignored SIGTERM for 60 s"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 const CONFIG: &str = "[cache]\npool_tokens = 16384\n[admission]\nmax_running = 8\n\
                       [snapshots]\nmin_save_tokens = 32\n";
@@ -492,5 +337,231 @@ fn loadtest_reports_what_clients_saw() {
     assert!(restored >= 4, "{table}");
     let (_, metrics) = server.get_text("/metrics");
     assert!(metrics.contains("snapserve_requests_total{outcome=\"finished\"} 8"));
+    server.stop_gracefully();
+}
+
+/// Checks that `answer` is a 4xx in OpenAI's error shape.
+fn assert_openai_error(what: &str, answer: &RawResponse) {
+    assert!(
+        (400..500).contains(&answer.status),
+        "{what}: {} {}",
+        answer.status,
+        String::from_utf8_lossy(&answer.body)
+    );
+    let body = answer.json();
+    let error = &body["error"];
+    for key in ["message", "type", "code"] {
+        assert!(error[key].is_string(), "{what}: no {key} in {body}");
+    }
+    assert!(error.get("param").is_some(), "{what}: no param in {body}");
+}
+
+fn post_raw(path: &str, body: &[u8]) -> Vec<u8> {
+    let mut request = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    request.extend_from_slice(body);
+    request
+}
+
+/// Hostile input: every malformed request gets a 4xx in OpenAI's shape, none a 5xx or a hang,
+/// and the server answers normally afterwards with nothing left running.
+#[test]
+fn hostile_input_gets_clear_4xx_answers_and_the_server_lives_on() {
+    let config = "[cache]\npool_tokens = 16384\n[server]\nbody_timeout_s = 2\n";
+    let server = Server::start(&smollm2(), config);
+    let mut cases: Vec<(String, &str, Vec<u8>)> = vec![
+        (
+            "truncated JSON".into(),
+            "/v1/completions",
+            b"{\"prompt\": \"hi\",".to_vec(),
+        ),
+        ("an array".into(), "/v1/completions", b"[1, 2]".to_vec()),
+        (
+            "a string".into(),
+            "/v1/chat/completions",
+            b"\"hello\"".to_vec(),
+        ),
+        ("null".into(), "/v1/completions", b"null".to_vec()),
+        ("empty".into(), "/v1/completions", Vec::new()),
+        ("not JSON".into(), "/v1/completions", b"prompt=hi".to_vec()),
+        (
+            "invalid UTF-8".into(),
+            "/v1/completions",
+            b"{\"prompt\": \"\xff\xfe\"}".to_vec(),
+        ),
+        (
+            "10,000-deep JSON".into(),
+            "/v1/completions",
+            format!(
+                "{{\"prompt\": {}{}}}",
+                "[".repeat(10_000),
+                "]".repeat(10_000)
+            )
+            .into_bytes(),
+        ),
+        (
+            "ids outside the vocabulary".into(),
+            "/v1/completions",
+            br#"{"prompt": [1, 2, 999999999]}"#.to_vec(),
+        ),
+        (
+            "negative ids".into(),
+            "/v1/completions",
+            br#"{"prompt": [1, -2]}"#.to_vec(),
+        ),
+        (
+            "no messages".into(),
+            "/v1/chat/completions",
+            br#"{"messages": []}"#.to_vec(),
+        ),
+    ];
+    // A wrong type in every field.
+    let completion = json!({"prompt": "hi", "max_tokens": 2});
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let shared = [
+        ("model", json!(7)),
+        ("max_tokens", json!("two")),
+        ("max_tokens", json!(-1)),
+        ("max_tokens", json!(2.5)),
+        ("temperature", json!("hot")),
+        ("top_p", json!([1])),
+        ("top_k", json!(-3)),
+        ("min_p", json!(true)),
+        ("seed", json!("s")),
+        ("presence_penalty", json!({})),
+        ("frequency_penalty", json!("f")),
+        ("repetition_penalty", json!([])),
+        ("stop", json!(5)),
+        ("stop", json!([1, 2])),
+        ("stop_token_ids", json!("x")),
+        ("ignore_eos", json!("yes")),
+        ("n", json!("one")),
+        ("stream", json!("yes")),
+        ("stream_options", json!(3)),
+    ];
+    for (field, value) in &shared {
+        for (path, base) in [
+            ("/v1/completions", &completion),
+            ("/v1/chat/completions", &chat),
+        ] {
+            let mut body = base.clone();
+            body[field] = value.clone();
+            cases.push((
+                format!("{path} {field} = {value}"),
+                path,
+                body.to_string().into_bytes(),
+            ));
+        }
+    }
+    for (field, value) in [
+        ("prompt", json!({"text": "hi"})),
+        ("echo", json!(1)),
+        ("best_of", json!("b")),
+        ("suffix", json!(9)),
+    ] {
+        let mut body = completion.clone();
+        body[field] = value.clone();
+        cases.push((
+            format!("completions {field} = {value}"),
+            "/v1/completions",
+            body.to_string().into_bytes(),
+        ));
+    }
+    for (field, value) in [
+        ("messages", json!("hi")),
+        ("messages", json!([{"role": "user"}, 5])),
+        ("messages", json!([{"role": 1, "content": "hi"}])),
+        ("messages", json!([{"role": "user", "content": 5}])),
+        ("max_completion_tokens", json!("x")),
+        ("logprobs", json!("x")),
+        ("top_logprobs", json!(-1)),
+    ] {
+        let mut body = chat.clone();
+        body[field] = value.clone();
+        cases.push((
+            format!("chat {field} = {value}"),
+            "/v1/chat/completions",
+            body.to_string().into_bytes(),
+        ));
+    }
+    for (what, path, body) in &cases {
+        let answer = server
+            .raw_exchange(&post_raw(path, body))
+            .unwrap_or_else(|| panic!("{what}: the connection closed without an answer"));
+        assert_openai_error(what, &answer);
+    }
+
+    // Oversized: declared, and sent in chunks with no length declared.
+    let answer = server
+        .raw_exchange(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 40000000\r\n\r\n{",
+        )
+        .expect("an answer to a declared oversized body");
+    assert_eq!(answer.status, 413);
+    assert_openai_error("declared oversized", &answer);
+    let mut chunked = server.raw();
+    chunked
+        .write_all(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+        )
+        .unwrap();
+    let chunk = vec![b' '; 1 << 20];
+    for _ in 0..40 {
+        if write!(chunked, "{:x}\r\n", chunk.len()).is_err()
+            || chunked.write_all(&chunk).is_err()
+            || chunked.write_all(b"\r\n").is_err()
+        {
+            break;
+        }
+    }
+    let answer = read_response(&mut BufReader::new(chunked)).expect("an answer to 40 MB");
+    assert_eq!(answer.status, 413);
+
+    // A slow body.
+    let answer = server
+        .raw_exchange(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro",
+        )
+        .expect("an answer to a slow body");
+    assert_eq!(answer.status, 408);
+    assert_openai_error("slow body", &answer);
+
+    // Pipelined: two requests in one write, two answers in order on one connection.
+    let mut pipelined = post_raw("/v1/completions", br#"{"prompt": "Hi", "max_tokens": 1}"#);
+    pipelined.extend(post_raw(
+        "/v1/completions",
+        br#"{"prompt": "", "max_tokens": 1}"#,
+    ));
+    let mut connection = server.raw();
+    connection.write_all(&pipelined).unwrap();
+    let mut connection = BufReader::new(connection);
+    assert_eq!(read_response(&mut connection).unwrap().status, 200);
+    assert_eq!(read_response(&mut connection).unwrap().status, 400);
+
+    // Abandoned: half a request line, half the headers, half a body, then gone.
+    for partial in [
+        &b"POST /v1/compl"[..],
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{\"prompt\"",
+    ] {
+        for _ in 0..20 {
+            server.raw().write_all(partial).unwrap();
+        }
+    }
+
+    // Still serving, and nothing left over.
+    let (status, _, answer) =
+        server.post("/v1/completions", &json!({"prompt": "Hi", "max_tokens": 2}));
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(server.get_text("/health").0, 200);
+    server.wait_until("idle", Duration::from_secs(10), Server::is_idle);
+    assert_eq!(
+        server.metric("snapserve_requests_total{outcome=\"failed\"}"),
+        0.0
+    );
     server.stop_gracefully();
 }

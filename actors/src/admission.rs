@@ -187,6 +187,34 @@ impl Handler<Cancel> for Admission {
     }
 }
 
+/// Stops taking requests (they are refused with `ShuttingDown`); those in flight go on.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Drain;
+
+impl Handler<Drain> for Admission {
+    type Result = ();
+
+    fn handle(&mut self, _: Drain, _: &mut Context<Self>) {
+        self.scheduler.drain();
+    }
+}
+
+/// Ends every request in flight with `ShuttingDown`; answers how many there were.
+#[derive(Debug, Message)]
+#[rtype(result = "usize")]
+pub struct CutAll;
+
+impl Handler<CutAll> for Admission {
+    type Result = usize;
+
+    fn handle(&mut self, _: CutAll, ctx: &mut Context<Self>) -> usize {
+        let cut = self.scheduler.cut_all();
+        self.kick(ctx);
+        cut
+    }
+}
+
 /// The scheduler's counters.
 #[derive(Debug, Message)]
 #[rtype(result = "SchedulerStats")]

@@ -131,6 +131,8 @@ pub struct EngineStepReply {
     pub restores: Vec<Result<(), String>>,
     /// The tokens each row sampled, or why the forward pass failed.
     pub forward: Result<SampledTokens, String>,
+    /// Seconds the forward pass's first step took, sampling included (0 without rows).
+    pub first_step_seconds: f64,
     /// The samplers, handed back in row order.
     pub samplers: Vec<Option<Box<Sampler>>>,
     pub saves: Vec<Result<(), String>>,
@@ -162,6 +164,7 @@ impl EngineStepReply {
             demotions: Vec::new(),
             restores: vec![Err(reason.to_string()); shape.restores],
             forward: Err(reason.to_string()),
+            first_step_seconds: 0.0,
             samplers: (0..shape.rows).map(|_| None).collect(),
             saves: vec![Err(reason.to_string()); shape.saves],
             plan: StepPlan::default(),
@@ -208,6 +211,7 @@ impl Engine {
         plan: &mut StepPlan,
         samplers: &mut [Option<Box<Sampler>>],
         row_steps: &[usize],
+        first_step_seconds: &mut f64,
     ) -> Result<SampledTokens, String> {
         let rows = plan.rows.len();
         if rows == 0 {
@@ -220,10 +224,12 @@ impl Engine {
         let mut sampled = SampledTokens::new(rows, steps);
         let mut lent: Vec<Option<&mut Sampler>> =
             samplers.iter_mut().map(|s| s.as_deref_mut()).collect();
+        let started = std::time::Instant::now();
         let first = self
             .backend
             .step_and_sample(plan, &mut lent)
             .map_err(|e| e.to_string())?;
+        *first_step_seconds = started.elapsed().as_secs_f64();
         for (i, token) in first.into_iter().enumerate() {
             if let Some(token) = token {
                 sampled.push(i, token);
@@ -344,7 +350,13 @@ impl Engine {
                     .map_err(|e| e.to_string())
             })
             .collect();
-        let forward = self.forward(&mut step.plan, &mut step.samplers, &step.row_steps);
+        let mut first_step_seconds = 0.0;
+        let forward = self.forward(
+            &mut step.plan,
+            &mut step.samplers,
+            &step.row_steps,
+            &mut first_step_seconds,
+        );
         let saves = match &forward {
             Ok(_) => step.saves.iter().map(|s| self.save(s)).collect(),
             Err(e) => step
@@ -357,6 +369,7 @@ impl Engine {
             demotions,
             restores,
             forward,
+            first_step_seconds,
             samplers: step.samplers,
             saves,
             plan: step.plan,

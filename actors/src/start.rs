@@ -11,12 +11,12 @@ use cache::{
 use engine::backend::{Backend, MemoryReport};
 use policy::Policies;
 
-use crate::admission::{Admission, Cancel, GetSchedulerStats, Submit};
+use crate::admission::{Admission, Cancel, CutAll, Drain, GetSchedulerStats, Submit};
 use crate::engine::{Engine, GetMemory};
 use crate::error::ServeError;
 use crate::kv_pool::{GetPoolStats, KvPool};
 use crate::request::{GenerateRequest, RequestId, RequestStream};
-use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerStats};
+use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerStats, SequenceLimit};
 use crate::snapshot_store::{GetStoreStats, SnapshotStore};
 
 /// What the actors are built from besides the backend.
@@ -37,6 +37,8 @@ pub struct Handles {
     pub pool: Addr<KvPool>,
     pub store: Addr<SnapshotStore>,
     pub engine: Addr<Engine>,
+    /// The most positions one sequence may hold (the model's context, or a smaller pool).
+    pub limit: SequenceLimit,
     engine_alive: Arc<AtomicBool>,
 }
 
@@ -91,6 +93,7 @@ pub fn build(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Parts, Se
         max_queue: policies.admission.max_queue(),
         max_running,
         step_token_budget: policies.admission.step_token_budget(),
+        max_step: policies.admission.max_step(info.name == "cuda"),
         decode_steps: policies.admission.decode_steps(),
         page_tokens,
         total_pages: info.num_pages,
@@ -120,6 +123,7 @@ pub fn build(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Parts, Se
 pub fn start(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Handles, ServeError> {
     let parts = build(backend, config)?;
     let engine_alive = parts.engine.alive();
+    let limit = parts.scheduler.limit();
     // The arbiter asks for a factory it may call again; the engine exists once.
     let engine = std::sync::Mutex::new(Some(parts.engine));
     let engine = SyncArbiter::start(1, move || {
@@ -141,6 +145,7 @@ pub fn start(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Handles, 
         pool,
         store,
         engine,
+        limit,
         engine_alive,
     })
 }
@@ -157,6 +162,16 @@ impl Handles {
     /// Cancels a request; it ends with `Cancelled` within one step.
     pub fn cancel(&self, id: RequestId) {
         self.admission.do_send(Cancel(id));
+    }
+
+    /// Stops taking requests: new ones are refused with `ShuttingDown`, those in flight go on.
+    pub async fn drain(&self) {
+        let _ = self.admission.send(Drain).await;
+    }
+
+    /// Ends every request in flight with `ShuttingDown` within a step; returns how many.
+    pub async fn cut_all(&self) -> usize {
+        self.admission.send(CutAll).await.unwrap_or(0)
     }
 
     /// Whether the engine can still run steps: false after [`Handles::shutdown`] or once its

@@ -78,7 +78,7 @@ async fn invalid_requests_are_refused_with_the_reason() {
     assert!(
         refuse(vec![5; 600], greedy(4))
             .await
-            .contains("the prompt has 600 tokens; at most 511 fit in the context")
+            .contains("the prompt has 600 tokens; this model's context (512 positions) holds 511")
     );
     let bad = SamplingParams {
         top_p: 0.0,

@@ -72,10 +72,15 @@ async fn when_the_engine_dies_requests_fail_clearly_and_health_says_so() {
     )
     .unwrap();
     let files = ModelFiles::open(model_dir_of(&model.files)).unwrap();
+    let limit = handles.limit;
     let state = ApiState {
         handles,
-        model: Arc::new(Model::new(files, "tiny".into(), info.max_positions)),
+        model: Arc::new(Model::new(files, "tiny".into(), limit)),
         prometheus: None,
+        body: actors::http::BodyLimits {
+            timeout: std::time::Duration::from_secs(30),
+            max_bytes: actors::http::MAX_BODY_BYTES,
+        },
     };
     let app = test::init_service(
         App::new()

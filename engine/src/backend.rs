@@ -225,18 +225,30 @@ pub trait Backend: Send {
     fn memory(&self) -> MemoryReport;
 }
 
-/// Runs one prefill of `prompt_tokens` tokens and one decode step, sampled greedily, through
+/// What a warm-up measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WarmUp {
+    /// The whole warm-up, first-use setup included.
+    pub took: std::time::Duration,
+    /// One batch-1 decode step once warm; `None` when the pool was too small to run one.
+    pub decode_step: Option<std::time::Duration>,
+}
+
+/// Runs one prefill of `prompt_tokens` tokens and two decode steps, sampled greedily, through
 /// the first pages of the pool, so that what a backend sets up on first use (kernels loaded,
 /// GEMM plans chosen, the batch-1 decode graph captured) is paid before the first request
-/// rather than by it. The pages written hold nothing anyone reads: a page's bytes are only
-/// trusted once a sequence has written them. Returns how long it took.
-pub fn warm_up(backend: &mut dyn Backend, prompt_tokens: usize) -> Result<std::time::Duration> {
+/// rather than by it; the second decode step is timed. The pages written hold nothing anyone
+/// reads: a page's bytes are only trusted once a sequence has written them.
+pub fn warm_up(backend: &mut dyn Backend, prompt_tokens: usize) -> Result<WarmUp> {
     let started = std::time::Instant::now();
     let info = backend.info().clone();
-    let tokens = prompt_tokens.clamp(1, info.max_positions.saturating_sub(1).max(1));
-    let pages = info.geometry.pages_for(tokens + 1);
-    if pages > info.num_pages {
-        return Ok(started.elapsed());
+    let tokens = prompt_tokens.clamp(1, info.max_positions.saturating_sub(2).max(1));
+    let pages = info.geometry.pages_for(tokens + 2);
+    if pages > info.num_pages || tokens + 2 > info.max_positions {
+        return Ok(WarmUp {
+            took: started.elapsed(),
+            decode_step: None,
+        });
     }
     let table: Vec<PageId> = (0..pages as u32).map(PageId).collect();
     let mut sampler = Sampler::new(&SamplingParams::default(), &[]);
@@ -250,17 +262,25 @@ pub fn warm_up(backend: &mut dyn Backend, prompt_tokens: usize) -> Result<std::t
             logits: LogitsWanted::Last,
         }],
     };
-    let first = backend.step_and_sample(&prefill, &mut [Some(&mut sampler)])?;
-    let decode = StepPlan {
-        rows: vec![RowPlan {
-            tokens: vec![first[0].unwrap_or(0)],
-            start_pos: tokens,
-            pages: table,
-            logits: LogitsWanted::Last,
-        }],
-    };
-    backend.step_and_sample(&decode, &mut [Some(&mut sampler)])?;
-    Ok(started.elapsed())
+    let mut token = backend.step_and_sample(&prefill, &mut [Some(&mut sampler)])?[0];
+    let mut decode_step = None;
+    for position in [tokens, tokens + 1] {
+        let decode = StepPlan {
+            rows: vec![RowPlan {
+                tokens: vec![token.unwrap_or(0)],
+                start_pos: position,
+                pages: table.clone(),
+                logits: LogitsWanted::Last,
+            }],
+        };
+        let step_started = std::time::Instant::now();
+        token = backend.step_and_sample(&decode, &mut [Some(&mut sampler)])?[0];
+        decode_step = Some(step_started.elapsed());
+    }
+    Ok(WarmUp {
+        took: started.elapsed(),
+        decode_step,
+    })
 }
 
 #[cfg(test)]
@@ -291,7 +311,8 @@ mod tests {
         let mut fresh = CpuBackend::load(&files, &options).unwrap();
         let expected = fresh.step(&plan).unwrap();
         let mut warmed = CpuBackend::load(&files, &options).unwrap();
-        warm_up(&mut warmed, 64).unwrap();
+        let warm = warm_up(&mut warmed, 64).unwrap();
+        assert!(warm.decode_step.is_some_and(|step| step <= warm.took));
         assert_eq!(warmed.step(&plan).unwrap(), expected);
         // A pool too small for the warm-up is left alone.
         let mut small = CpuBackend::load(
@@ -302,6 +323,6 @@ mod tests {
             },
         )
         .unwrap();
-        warm_up(&mut small, 64).unwrap();
+        assert_eq!(warm_up(&mut small, 64).unwrap().decode_step, None);
     }
 }

@@ -155,26 +155,27 @@ impl Sampling {
         max_tokens: Option<usize>,
         default_max: usize,
     ) -> Result<Prepared, ApiError> {
-        let context = model.context_tokens;
-        if prompt.len() >= context {
+        let limit = model.limit.tokens;
+        if prompt.len() >= limit {
             return Err(ApiError::invalid_param(
                 "prompt",
                 format!(
-                    "the prompt has {} tokens; this model's context holds {context}, \
-                     with room for at least one generated token",
-                    prompt.len()
+                    "the prompt has {} tokens; {} holds {}, with room for one generated token",
+                    prompt.len(),
+                    model.limit.holder(),
+                    limit - 1
                 ),
             ));
         }
-        let room = context - prompt.len();
+        let room = limit - prompt.len();
         let max_tokens = match max_tokens {
             Some(asked) if asked > room => {
                 return Err(ApiError::invalid_param(
                     "max_tokens",
                     format!(
-                        "the prompt ({} tokens) plus max_tokens ({asked}) exceed this model's \
-                         context of {context} tokens",
-                        prompt.len()
+                        "the prompt ({} tokens) plus max_tokens ({asked}) exceed {}",
+                        prompt.len(),
+                        model.limit.holder()
                     ),
                 ));
             }
@@ -282,7 +283,7 @@ impl ChatRequest {
         let max_tokens = self.max_completion_tokens.or(self.max_tokens);
         // Without a limit, a chat reply may use the rest of the context.
         self.sampling
-            .prepare(model, prompt, max_tokens, model.context_tokens)
+            .prepare(model, prompt, max_tokens, model.limit.tokens)
     }
 }
 

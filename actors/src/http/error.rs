@@ -51,6 +51,15 @@ impl ApiError {
         }
     }
 
+    /// Whether the connection closes after this answer: the body was not read to its end
+    /// (408, 413), or the server is going away.
+    fn closes_connection(&self) -> bool {
+        matches!(
+            self.status,
+            StatusCode::REQUEST_TIMEOUT | StatusCode::PAYLOAD_TOO_LARGE
+        ) || self.code == "shutting_down"
+    }
+
     /// The JSON body.
     pub fn body(&self) -> serde_json::Value {
         json!({
@@ -102,6 +111,9 @@ impl ResponseError for ApiError {
     fn error_response(&self) -> HttpResponse {
         crate::metrics::error_answered(self.code);
         let mut response = HttpResponse::build(self.status);
+        if self.closes_connection() {
+            response.force_close();
+        }
         if let Some(after) = self.retry_after {
             // Whole seconds, rounded up: a client that waits that long finds room.
             let seconds = after.as_millis().div_ceil(1000).max(1);

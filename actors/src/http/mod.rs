@@ -5,27 +5,34 @@
 //! A handler tokenizes and checks the request ([`api`]), submits it through [`Handles`] and
 //! reads the request's own channel, turning tokens into text as they become final
 //! ([`output`]). A full queue is a 429 with `Retry-After`; bad input a 400 that says why
-//! ([`error`]). A client that goes away drops its stream, which cancels the request and frees
-//! its pages within a step.
+//! ([`error`]); a body too large or too slow a 413 or 408 ([`body`]). A client that goes away
+//! (its connection closes, whether or not the answer is streamed) drops the request's stream,
+//! which cancels the request and frees its pages within a step. [`serve`] runs the server
+//! and its shutdown.
 
 mod api;
+mod body;
 mod error;
 mod output;
+mod serve;
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use actix_web::http::StatusCode;
-use actix_web::{App, HttpResponse, HttpServer, web};
+use actix_web::{HttpRequest, HttpResponse, web};
 use engine::chat::ChatTemplate;
 use engine::model::ModelFiles;
 use engine::tokenizer::Tokenizer;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 
+pub use body::{BodyLimits, MAX_BODY_BYTES};
 pub use error::ApiError;
+pub use serve::{ServeOptions, Served, serve};
 
 use crate::request::GenerateRequest;
+use crate::scheduler::SequenceLimit;
 use crate::start::Handles;
 use api::{ChatRequest, CompletionRequest, Prepared};
 use output::{Kind, Output};
@@ -36,20 +43,20 @@ pub struct Model {
     pub id: String,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
-    /// Positions a sequence may reach: prompt plus generated tokens.
-    pub context_tokens: usize,
+    /// Positions a sequence may reach, prompt plus generated tokens, and what sets that.
+    pub limit: SequenceLimit,
     /// When the server started, in seconds since the epoch (`created` in `/v1/models`).
     pub created: u64,
 }
 
 impl Model {
-    /// The API's view of `files`, served under `id`, with `context_tokens` positions a sequence.
-    pub fn new(files: ModelFiles, id: String, context_tokens: usize) -> Self {
+    /// The API's view of `files`, served under `id`, with `limit` positions a sequence.
+    pub fn new(files: ModelFiles, id: String, limit: SequenceLimit) -> Self {
         Model {
             id,
             tokenizer: files.tokenizer,
             chat_template: files.chat_template,
-            context_tokens,
+            limit,
             created: unix_now(),
         }
     }
@@ -62,43 +69,19 @@ pub struct ApiState {
     pub model: Arc<Model>,
     /// Renders `/metrics`; `None` answers it with a 404.
     pub prometheus: Option<PrometheusHandle>,
+    /// How large a request body may be and how long it may take to arrive.
+    pub body: BodyLimits,
 }
-
-/// Request bodies up to this size are read; prompts of a long context fit well within it.
-const MAX_BODY_BYTES: usize = 32 << 20;
 
 /// Adds the API's routes to an actix-web app.
 pub fn routes(config: &mut web::ServiceConfig) {
-    let json = web::JsonConfig::default()
-        .limit(MAX_BODY_BYTES)
-        .error_handler(|error, _| {
-            ApiError::invalid(format!(
-                "the request body is not what this endpoint takes: {error}"
-            ))
-            .into()
-        });
     config
-        .app_data(json)
         .route("/health", web::get().to(health))
         .route("/v1/models", web::get().to(models))
         .route("/metrics", web::get().to(prometheus_metrics))
         .route("/v1/completions", web::post().to(completions))
         .route("/v1/chat/completions", web::post().to(chat_completions))
         .default_service(web::to(not_found));
-}
-
-/// Serves the API on `address` with `workers` HTTP threads until the process is told to stop
-/// (SIGINT or SIGTERM), then lets requests in flight finish.
-pub async fn serve(state: ApiState, address: &str, workers: usize) -> std::io::Result<()> {
-    HttpServer::new(move || {
-        App::new()
-            .app_data(web::Data::new(state.clone()))
-            .configure(routes)
-    })
-    .workers(workers.max(1))
-    .bind(address)?
-    .run()
-    .await
 }
 
 /// 200 while the engine's thread is alive; 503 once it has died (a backend that panicked), so
@@ -120,7 +103,7 @@ async fn models(state: web::Data<ApiState>) -> HttpResponse {
             "object": "model",
             "created": model.created,
             "owned_by": "snapserve",
-            "max_model_len": model.context_tokens,
+            "max_model_len": model.limit.tokens,
         }],
     }))
 }
@@ -154,16 +137,20 @@ async fn not_found(request: actix_web::HttpRequest) -> Result<HttpResponse, ApiE
 
 async fn completions(
     state: web::Data<ApiState>,
-    body: web::Json<CompletionRequest>,
+    request: HttpRequest,
+    payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
+    let body: CompletionRequest = body::read_json(&request, payload, state.body).await?;
     let prepared = body.prepare(&state.model)?;
     respond(&state, prepared, Kind::Completion).await
 }
 
 async fn chat_completions(
     state: web::Data<ApiState>,
-    body: web::Json<ChatRequest>,
+    request: HttpRequest,
+    payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
+    let body: ChatRequest = body::read_json(&request, payload, state.body).await?;
     let prepared = body.prepare(&state.model)?;
     respond(&state, prepared, Kind::Chat).await
 }

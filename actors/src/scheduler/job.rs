@@ -47,6 +47,8 @@ pub(crate) struct Job {
     pub prompt_saved: bool,
     /// Cancelled by an explicit request; removed at the next step.
     pub cancelled: bool,
+    /// Cut by a shutdown whose grace ran out; failed at the next step.
+    pub cut: bool,
     pub submitted_at: Instant,
     pub usage: Usage,
 }
@@ -79,6 +81,7 @@ impl Job {
             restoring: None,
             prompt_saved: false,
             cancelled: false,
+            cut: false,
             submitted_at,
             usage,
         }

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use cache::{PrefixHasher, PrefixSalt, Tier};
 use engine::sampling::Sampler;
-use policy::{BackoffPolicy, ReservationPolicy};
+use policy::{BackoffPolicy, ReservationPolicy, StepTimeModel};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use tokio::sync::mpsc;
@@ -45,12 +45,14 @@ pub struct SchedulerConfig {
     pub max_queue: usize,
     pub max_running: usize,
     pub step_token_budget: usize,
+    /// The longest an engine step should take; prompt chunks are sized to it.
+    pub max_step: Duration,
     /// Decode steps one engine step may run when nothing else is to be done (see
     /// `policy::AdmissionConfig::decode_steps`).
     pub decode_steps: usize,
     pub page_tokens: usize,
     pub total_pages: usize,
-    /// The most positions a sequence may reach.
+    /// The most positions a sequence may reach in the model.
     pub context_tokens: usize,
     pub vocab_size: usize,
     pub eos_token_ids: Vec<u32>,
@@ -73,10 +75,16 @@ pub struct SchedulerStats {
     pub cancelled: u64,
     pub backoffs: u64,
     pub preemptions: u64,
+    /// Requests failed because a shutdown's grace ran out before they finished (also
+    /// counted in `failed`).
+    pub cut: u64,
     /// Scheduler steps; one may run several decode steps.
     pub steps: u64,
     /// Steps that handed the engine more than one decode step.
     pub multi_steps: u64,
+    /// Steps that found nothing to do. Each was started on a readiness that was wrong; the
+    /// loop then waits for the next event instead of spinning.
+    pub idle_steps: u64,
     /// Tokens sampled and delivered.
     pub generated_tokens: u64,
     pub restored_tokens: u64,
@@ -84,8 +92,38 @@ pub struct SchedulerStats {
     pub running: usize,
 }
 
+/// The most positions one sequence may hold, and what sets it: the model's context, or a
+/// working pool smaller than that context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SequenceLimit {
+    pub tokens: usize,
+    pub pool_bound: bool,
+}
+
+impl SequenceLimit {
+    pub fn new(context_tokens: usize, total_pages: usize, page_tokens: usize) -> Self {
+        let pool_tokens = total_pages * page_tokens;
+        SequenceLimit {
+            tokens: context_tokens.min(pool_tokens),
+            pool_bound: pool_tokens < context_tokens,
+        }
+    }
+
+    /// What holds the limit, for messages: "this model's context" or the pool's size.
+    pub fn holder(&self) -> String {
+        if self.pool_bound {
+            format!("this server's KV pool ({} positions)", self.tokens)
+        } else {
+            format!("this model's context ({} positions)", self.tokens)
+        }
+    }
+}
+
 pub struct Scheduler {
     config: SchedulerConfig,
+    limit: SequenceLimit,
+    /// Learns how long a step of so many tokens takes, to size prompt chunks.
+    step_time: StepTimeModel,
     hasher: PrefixHasher,
     rng: ChaCha8Rng,
     next_id: u64,
@@ -104,11 +142,19 @@ pub struct Scheduler {
     stats: SchedulerStats,
     /// Smoothed submit-to-end time of requests, for `retry_after`.
     latency_ewma: Duration,
+    /// Set by a shutdown: new requests are refused, those in flight run on.
+    draining: bool,
 }
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Self {
         Scheduler {
+            limit: SequenceLimit::new(
+                config.context_tokens,
+                config.total_pages,
+                config.page_tokens,
+            ),
+            step_time: StepTimeModel::new(),
             hasher: PrefixHasher::new(config.salt, config.page_tokens),
             rng: ChaCha8Rng::seed_from_u64(config.seed),
             next_id: 0,
@@ -121,8 +167,14 @@ impl Scheduler {
             available_pages: config.total_pages,
             stats: SchedulerStats::default(),
             latency_ewma: Duration::from_millis(500),
+            draining: false,
             config,
         }
+    }
+
+    /// The most positions one sequence may hold.
+    pub fn limit(&self) -> SequenceLimit {
+        self.limit
     }
 
     pub fn stats(&self) -> SchedulerStats {
@@ -135,6 +187,9 @@ impl Scheduler {
 
     /// Queues a request, or refuses it: invalid input, or a full queue.
     pub fn submit(&mut self, request: GenerateRequest) -> Result<RequestStream, ServeError> {
+        if self.draining {
+            return Err(ServeError::ShuttingDown);
+        }
         self.validate(&request)?;
         if self.queue.len() >= self.config.max_queue {
             return Err(ServeError::Overloaded {
@@ -143,7 +198,7 @@ impl Scheduler {
         }
         let id = RequestId(self.next_id);
         self.next_id += 1;
-        let room = self.config.context_tokens - request.prompt.len();
+        let room = self.limit.tokens - request.prompt.len();
         let max_new = request.params.max_tokens.min(room);
         let sampler = Sampler::new(&request.params, &request.prompt);
         let (events, receiver) = mpsc::unbounded_channel();
@@ -174,11 +229,12 @@ impl Scheduler {
                 self.config.vocab_size
             ));
         }
-        if prompt.len() >= self.config.context_tokens {
-            let limit = self.config.context_tokens - 1;
+        if prompt.len() >= self.limit.tokens {
             return invalid(format!(
-                "the prompt has {} tokens; at most {limit} fit in the context",
-                prompt.len()
+                "the prompt has {} tokens; {} holds {} with room for one generated token",
+                prompt.len(),
+                self.limit.holder(),
+                self.limit.tokens - 1,
             ));
         }
         request
@@ -206,15 +262,42 @@ impl Scheduler {
         }
     }
 
+    /// Stops taking requests; those queued or running go on.
+    pub fn drain(&mut self) {
+        self.draining = true;
+    }
+
+    /// Ends every request in flight with `ShuttingDown`: the queued ones now, the running
+    /// ones at the next step (which releases their pages). Returns how many.
+    pub fn cut_all(&mut self) -> usize {
+        self.draining = true;
+        let queued = self.queue.len();
+        for job in self.queue.drain(..) {
+            tracing::warn!(
+                request = job.id.0,
+                "cut at shutdown while queued ({} prompt tokens)",
+                job.prompt_len
+            );
+            job.fail(ServeError::ShuttingDown);
+        }
+        self.stats.failed += queued as u64;
+        self.stats.cut += queued as u64;
+        for job in &mut self.running {
+            job.cut = true;
+        }
+        queued + self.running.len()
+    }
+
     /// Whether a step could do something now, and else when one could.
     pub fn readiness(&self, now: Instant) -> (bool, Option<Instant>) {
         let pending_work = !self.releases.is_empty() || !self.follow_ups.is_empty();
         let runnable = self
             .running
             .iter()
-            .any(|j| j.cancelled || j.abandoned() || (j.ready(now) && j.pending() > 0));
-        let admissible = self.running.len() < self.config.max_running
-            && self.queue.iter().any(|j| j.ready(now) || j.abandoned());
+            .any(|j| j.cancelled || j.cut || j.abandoned() || (j.ready(now) && j.pending() > 0));
+        let admissible =
+            self.running.len() < self.config.max_running && self.next_admission_fits(now);
+        let abandoned = self.queue.iter().any(Job::abandoned);
         let wake = self
             .running
             .iter()
@@ -222,7 +305,16 @@ impl Scheduler {
             .filter_map(|j| j.blocked_until)
             .filter(|&t| t > now)
             .min();
-        (pending_work || runnable || admissible, wake)
+        (pending_work || runnable || admissible || abandoned, wake)
+    }
+
+    /// Whether the first queued job not backing off would be admitted now: the same test, in
+    /// the same order, as `begin_step` makes.
+    fn next_admission_fits(&self, now: Instant) -> bool {
+        self.queue
+            .iter()
+            .find(|job| job.ready(now))
+            .is_some_and(|job| self.admission_pages(job) <= self.available_pages)
     }
 }
 

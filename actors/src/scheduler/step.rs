@@ -100,6 +100,11 @@ pub(super) struct Draft {
     saves: Vec<(usize, SaveKind, SaveReservation)>,
     /// Plan row index to draft row index, for the rows sent to the engine.
     sent_rows: Vec<usize>,
+    /// Tokens of the rows sent to the engine (of its first decode step, in a multi-step one).
+    sent_tokens: usize,
+    /// Jobs swept and operations sent to the store and the pool so far: a step with none and
+    /// no engine step changed nothing.
+    changes: usize,
 }
 
 /// What the step left for the driver to do.
@@ -117,9 +122,10 @@ impl Scheduler {
     /// candidate.
     pub fn begin_step(&mut self, now: Instant) -> Vec<StoreOp> {
         assert!(self.draft.is_none(), "one step at a time");
-        self.sweep_cancelled();
+        let swept = self.sweep_cancelled();
         let mut draft = Draft {
             rows: self.plan_rows(now),
+            changes: swept,
             ..Draft::default()
         };
         let mut ops: Vec<StoreOp> = self
@@ -154,6 +160,7 @@ impl Scheduler {
         if draft.candidates.is_empty() && self.queue.is_empty() {
             self.plan_decode_steps(&mut draft.rows);
         }
+        draft.changes += ops.len();
         self.draft = Some(draft);
         ops
     }
@@ -175,8 +182,7 @@ impl Scheduler {
         let mut steps = Vec::with_capacity(rows.len());
         for row in rows.iter() {
             let job = &self.running[row.job];
-            let left =
-                (job.max_new - job.generated()).min(self.config.context_tokens - job.tokens.len());
+            let left = (job.max_new - job.generated()).min(self.limit.tokens - job.tokens.len());
             let n = k.min(left).max(1);
             let held = job
                 .slot
@@ -200,7 +206,7 @@ impl Scheduler {
     /// Pages that must be free to admit `job`: its reservation, or under the optimistic
     /// policy room for everything it holds plus its next token, so that a job preempted for
     /// want of pages comes back only once there are more of them than it gave up.
-    fn admission_pages(&self, job: &Job) -> usize {
+    pub(super) fn admission_pages(&self, job: &Job) -> usize {
         let tokens = match self.config.reservation {
             ReservationPolicy::WorstCase => job.tokens.len() + job.max_new - job.generated(),
             ReservationPolicy::Optimistic => job.tokens.len() + 1,
@@ -208,33 +214,52 @@ impl Scheduler {
         tokens.div_ceil(self.config.page_tokens)
     }
 
-    fn sweep_cancelled(&mut self) {
+    /// Ends the running jobs that were cancelled, abandoned by their caller or cut by a
+    /// shutdown, and drops the queued ones whose caller went away. Returns how many.
+    fn sweep_cancelled(&mut self) -> usize {
+        let mut swept = 0;
         let mut index = 0;
         while index < self.running.len() {
             let job = &self.running[index];
-            if job.cancelled || job.abandoned() {
-                let mut job = self.running.remove(index);
-                if let Some(slot) = job.slot.take() {
-                    self.releases.push(slot.handle);
-                }
+            if !(job.cancelled || job.cut || job.abandoned()) {
+                index += 1;
+                continue;
+            }
+            let mut job = self.running.remove(index);
+            swept += 1;
+            if let Some(slot) = job.slot.take() {
+                self.releases.push(slot.handle);
+            }
+            if job.cut && !job.abandoned() {
+                tracing::warn!(
+                    request = job.id.0,
+                    "cut at shutdown after {} of at most {} tokens",
+                    job.generated(),
+                    job.max_new
+                );
+                self.stats.cut += 1;
+                self.end_failed(job, ServeError::ShuttingDown);
+            } else {
                 self.stats.cancelled += 1;
                 job.cancel();
-            } else {
-                index += 1;
             }
         }
         let before = self.queue.len();
         self.queue.retain(|job| !job.abandoned());
-        self.stats.cancelled += (before - self.queue.len()) as u64;
+        let dropped = before - self.queue.len();
+        self.stats.cancelled += dropped as u64;
+        swept + dropped
     }
 
-    /// One-token rows first, then prompt chunks in arrival order, within the token budget.
+    /// One-token rows first; then prompt chunks, the fewest pending tokens first, so that a
+    /// short prompt never waits behind a long one's prefill. Prompt chunks share what is left
+    /// of the step's budget ([`Scheduler::prefill_budget`]).
     fn plan_rows(&self, now: Instant) -> Vec<Row> {
-        let mut budget = self.config.step_token_budget;
         let mut rows = Vec::new();
         let ready = |job: &Job| job.ready(now) && job.pending() > 0;
+        let mut decode_budget = self.config.step_token_budget;
         for (index, job) in self.running.iter().enumerate() {
-            if budget > 0 && ready(job) && job.pending() == 1 {
+            if decode_budget > 0 && ready(job) && job.pending() == 1 {
                 rows.push(Row {
                     job: index,
                     start: job.computed,
@@ -242,23 +267,42 @@ impl Scheduler {
                     steps: 1,
                     live: true,
                 });
-                budget -= 1;
+                decode_budget -= 1;
             }
         }
-        for (index, job) in self.running.iter().enumerate() {
-            if budget > 0 && ready(job) && job.pending() > 1 {
-                let n = job.pending().min(budget);
-                rows.push(Row {
-                    job: index,
-                    start: job.computed,
-                    end: job.computed + n,
-                    steps: 1,
-                    live: true,
-                });
-                budget -= n;
+        let mut prompts: Vec<usize> = (0..self.running.len())
+            .filter(|&index| ready(&self.running[index]) && self.running[index].pending() > 1)
+            .collect();
+        prompts.sort_by_key(|&index| self.running[index].pending());
+        let mut budget = self.prefill_budget(rows.len());
+        for index in prompts {
+            if budget == 0 {
+                break;
             }
+            let job = &self.running[index];
+            let n = job.pending().min(budget);
+            rows.push(Row {
+                job: index,
+                start: job.computed,
+                end: job.computed + n,
+                steps: 1,
+                live: true,
+            });
+            budget -= n;
         }
         rows
+    }
+
+    /// Prompt tokens a step with `decode_rows` one-token rows may add: what the step's
+    /// predicted time leaves under `max_step` (everything the token budget allows until a step
+    /// has been timed), but at least a page, so prompts progress however busy decoding is.
+    pub(super) fn prefill_budget(&self, decode_rows: usize) -> usize {
+        let tokens_budget = self.config.step_token_budget.saturating_sub(decode_rows);
+        let within_time = self.step_time.fit().map_or(usize::MAX, |fit| {
+            fit.tokens_within(self.config.max_step)
+                .saturating_sub(decode_rows)
+        });
+        within_time.max(self.config.page_tokens).min(tokens_budget)
     }
 
     /// Phase 2: the pool changes, given the store's answers to phase 1.
@@ -309,6 +353,7 @@ impl Scheduler {
             });
             draft.pool_purposes.push(PoolPurpose::Admit(c));
         }
+        draft.changes += ops.len();
         self.draft = Some(draft);
         ops
     }
@@ -378,6 +423,7 @@ impl Scheduler {
             self.admit(job, hit, slot, &mut draft, &mut ops);
         }
         self.plan_saves(&mut draft, &mut ops);
+        draft.changes += ops.len();
         self.draft = Some(draft);
         ops
     }
@@ -549,6 +595,7 @@ impl Scheduler {
                 step.row_steps.push(row.steps);
             }
             draft.sent_rows.push(r);
+            draft.sent_tokens += row.end - row.start;
         }
         let idle = step.plan.rows.is_empty()
             && step.restores.is_empty()
@@ -620,11 +667,20 @@ impl Scheduler {
     }
 
     /// Phase 5: applies the engine's answer (`None` when no engine step ran) and says what next.
+    ///
+    /// A step that changed nothing (no exchange with any actor) never asks for another at once:
+    /// the next one starts when a message or a back-off's end changes something, so no state
+    /// can make the loop spin.
     pub fn finish_step(&mut self, reply: Option<EngineStepReply>, now: Instant) -> StepOutcome {
         let mut draft = self.draft.take().expect("plan_engine ran");
         self.stats.steps += 1;
+        let did_work = draft.changes > 0 || reply.is_some();
         let mut ended: Vec<(usize, End)> = Vec::new();
         if let Some(reply) = reply {
+            if reply.forward.is_ok() {
+                self.step_time
+                    .observe(draft.sent_tokens, reply.first_step_seconds);
+            }
             self.apply_engine_reply(&mut draft, reply, &mut ended);
         }
         ended.extend(
@@ -635,7 +691,13 @@ impl Scheduler {
         );
         self.remove_ended(ended, &draft.preempting, now);
         let (ready, wake_at) = self.readiness(now);
-        StepOutcome { ready, wake_at }
+        if !did_work {
+            self.stats.idle_steps += 1;
+        }
+        StepOutcome {
+            ready: ready && did_work,
+            wake_at,
+        }
     }
 
     fn apply_engine_reply(
@@ -744,7 +806,7 @@ impl Scheduler {
         let params = job.sampler.as_ref().expect("home after the step").params();
         if is_stop_token(params, &self.config.eos_token_ids, token) {
             Some(FinishReason::Stop)
-        } else if job.generated() >= job.max_new || job.tokens.len() >= self.config.context_tokens {
+        } else if job.generated() >= job.max_new || job.tokens.len() >= self.limit.tokens {
             Some(FinishReason::Length)
         } else {
             None

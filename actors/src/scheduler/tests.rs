@@ -10,8 +10,9 @@ use engine::model::synthetic::{self, SyntheticSpec};
 use engine::sampling::SamplingParams;
 use policy::{Policies, ReservationPolicy};
 
-use super::Scheduler;
+use super::{Scheduler, StepOutcome};
 use crate::engine::Engine;
+use crate::error::ServeError;
 use crate::kv_pool::KvPool;
 use crate::request::{Event, GenerateRequest, RequestStream};
 use crate::snapshot_store::SnapshotStore;
@@ -67,6 +68,11 @@ impl Harness {
 
     /// Runs one step; returns the (start, token count) of each row the engine ran.
     fn step(&mut self) -> Vec<(usize, usize)> {
+        self.step_outcome().0
+    }
+
+    /// Runs one step; returns its rows and what the scheduler said of the next.
+    fn step_outcome(&mut self) -> (Vec<(usize, usize)>, StepOutcome) {
         let now = Instant::now();
         let lookups = self.scheduler.begin_step(now);
         let replies = lookups.into_iter().map(|op| self.store.apply(op)).collect();
@@ -78,8 +84,21 @@ impl Harness {
         let step = self.scheduler.plan_engine(replies);
         let rows = step.as_ref().map_or_else(Vec::new, |s| rows_of(&s.plan));
         let reply = step.map(|s| self.engine.run(s));
-        self.scheduler.finish_step(reply, now);
-        rows
+        let outcome = self.scheduler.finish_step(reply, Instant::now());
+        (rows, outcome)
+    }
+
+    fn try_submit(
+        &mut self,
+        prompt_len: usize,
+        max_tokens: usize,
+    ) -> Result<RequestStream, ServeError> {
+        let prompt = (0..prompt_len as u32).map(|i| 3 + i % 200).collect();
+        let params = SamplingParams {
+            max_tokens,
+            ..SamplingParams::default()
+        };
+        self.scheduler.submit(GenerateRequest { prompt, params })
     }
 }
 
@@ -208,4 +227,184 @@ fn a_multi_step_decode_waits_while_requests_queue() {
         1,
         "b waits for a slot: one token per step"
     );
+}
+
+/// Reads a stream's events until its end, if it has ended.
+fn ended(stream: &mut RequestStream) -> Option<Event> {
+    loop {
+        match stream.try_next()? {
+            Event::Token(_) => {}
+            end => return Some(end),
+        }
+    }
+}
+
+/// Drives steps as the `Admission` actor would (at once while the scheduler says a step can
+/// run, else after the next back-off ends, else not at all) until `streams` have all ended.
+/// Panics if a step that the scheduler asked for found nothing to do, or after `max_steps`.
+fn drive_to_the_end(h: &mut Harness, streams: &mut [RequestStream], max_steps: usize) {
+    let mut ends: Vec<Option<Event>> = vec![None; streams.len()];
+    for step in 0..max_steps {
+        let idle_before = h.scheduler.stats().idle_steps;
+        let (_, outcome) = h.step_outcome();
+        assert_eq!(
+            h.scheduler.stats().idle_steps,
+            idle_before,
+            "step {step} was asked for and found nothing to do"
+        );
+        for (stream, end) in streams.iter_mut().zip(&mut ends) {
+            if end.is_none() {
+                *end = ended(stream);
+            }
+        }
+        if ends.iter().all(Option::is_some) {
+            return;
+        }
+        if !outcome.ready {
+            let wake = outcome
+                .wake_at
+                .expect("requests are waiting, so something must wake the scheduler");
+            std::thread::sleep(wake.saturating_duration_since(Instant::now()));
+        }
+    }
+    panic!("requests still running after {max_steps} steps: {ends:?}");
+}
+
+/// Requests of every size against pools of every size from one page: each is either refused
+/// when submitted (its prompt cannot fit the pool) or ends, and the pool is whole afterwards.
+#[test]
+fn every_pool_size_makes_progress_or_refuses() {
+    let sizes = [
+        (1, 1),
+        (5, 30),
+        (15, 1),
+        (16, 1),
+        (17, 40),
+        (40, 10),
+        (70, 3),
+        (3, 200),
+    ];
+    for reservation in ["worst_case", "optimistic"] {
+        for pages in 1..=8 {
+            let toml = format!(
+                "[cache]\nreservation = \"{reservation}\"\n[admission]\nmax_running = 3\n\
+                 [backoff]\nbase_ms = 1\nmax_ms = 2\nmax_attempts = 2\n"
+            );
+            let mut h = Harness::new(pages, &toml);
+            let mut streams = Vec::new();
+            for (prompt, max_tokens) in sizes {
+                match h.try_submit(prompt, max_tokens) {
+                    Ok(stream) => streams.push(stream),
+                    Err(ServeError::Invalid(reason)) => {
+                        assert!(prompt >= pages * 16, "{pages} pages, {prompt}: {reason}");
+                        assert!(reason.contains("KV pool"), "{reason}");
+                    }
+                    Err(e) => panic!("{pages} pages, {prompt} tokens: {e}"),
+                }
+            }
+            drive_to_the_end(&mut h, &mut streams, 5_000);
+            h.step();
+            let pool = h.pool.stats();
+            assert_eq!(
+                pool.free_pages, pages,
+                "{reservation}, {pages} pages: {pool:?}"
+            );
+            assert_eq!(pool.reserved_pages, 0);
+        }
+    }
+}
+
+#[test]
+fn a_request_that_could_never_fit_the_pool_is_refused_at_once() {
+    let mut h = Harness::new(2, "");
+    let Err(ServeError::Invalid(reason)) = h.try_submit(40, 4) else {
+        panic!("a 40-token prompt was accepted by a 32-token pool");
+    };
+    assert_eq!(
+        reason,
+        "the prompt has 40 tokens; this server's KV pool (32 positions) holds 31 with room \
+         for one generated token"
+    );
+    // One that fits runs, with what the pool leaves it to generate.
+    let mut a = h.submit(30, 100);
+    drive_to_the_end(&mut h, std::slice::from_mut(&mut a), 100);
+    assert_eq!(h.scheduler.limit().tokens, 32);
+    assert!(h.scheduler.stats().finished == 1);
+}
+
+#[test]
+fn a_short_prompt_goes_before_a_long_prompts_remaining_chunks() {
+    let mut h = Harness::new(64, "[admission]\nmax_running = 4\nstep_token_budget = 16\n");
+    let _long = h.submit(100, 2);
+    h.step();
+    assert_eq!(h.step(), vec![(0, 16)]);
+    let _short = h.submit(5, 2);
+    assert_eq!(h.step(), vec![(16, 16)], "the short one is admitted");
+    assert_eq!(
+        h.step(),
+        vec![(0, 5), (32, 11)],
+        "the short prompt first, the long one's chunk in what is left"
+    );
+}
+
+#[test]
+fn prompt_chunks_are_cut_to_the_step_time_the_model_predicts() {
+    let mut h = Harness::new(
+        64,
+        "[admission]\nmax_step_ms = 100\nstep_token_budget = 1000\nmax_running = 8\n",
+    );
+    assert_eq!(
+        h.scheduler.prefill_budget(2),
+        998,
+        "untimed: the token budget"
+    );
+    // 20 ms a step plus 2 ms a token: 40 tokens fit in 100 ms, 38 beside 2 decode rows.
+    for tokens in [1, 10, 50, 3] {
+        h.scheduler
+            .step_time
+            .observe(tokens, 0.02 + 0.002 * tokens as f64);
+    }
+    assert_eq!(h.scheduler.prefill_budget(2), 38);
+    // However slow decoding gets, a prompt still moves a page a step.
+    h.scheduler.step_time.observe(1, 5.0);
+    h.scheduler.step_time.observe(2, 10.0);
+    assert_eq!(h.scheduler.prefill_budget(8), 16);
+}
+
+#[test]
+fn a_cut_ends_every_request_with_shutting_down_and_returns_its_pages() {
+    let mut h = Harness::new(16, "[admission]\nmax_running = 1\n");
+    let mut running = h.submit(20, 50);
+    let mut queued = h.submit(20, 50);
+    h.step();
+    h.step();
+    assert_eq!(h.scheduler.stats().running, 1);
+    assert_eq!(h.scheduler.cut_all(), 2);
+    assert_eq!(
+        ended(&mut queued),
+        Some(Event::Failed(ServeError::ShuttingDown))
+    );
+    h.step();
+    assert_eq!(
+        ended(&mut running),
+        Some(Event::Failed(ServeError::ShuttingDown))
+    );
+    h.step();
+    assert_eq!(h.pool.stats().free_pages, 16);
+    let stats = h.scheduler.stats();
+    assert_eq!(
+        (stats.cut, stats.failed, stats.running, stats.queued),
+        (2, 2, 0, 0)
+    );
+    assert_eq!(h.try_submit(4, 4).err(), Some(ServeError::ShuttingDown));
+}
+
+#[test]
+fn a_drain_refuses_new_requests_and_lets_the_running_finish() {
+    let mut h = Harness::new(16, "");
+    let mut a = h.submit(10, 5);
+    h.scheduler.drain();
+    assert_eq!(h.try_submit(4, 4).err(), Some(ServeError::ShuttingDown));
+    drive_to_the_end(&mut h, std::slice::from_mut(&mut a), 100);
+    assert_eq!(h.scheduler.stats().finished, 1);
 }
