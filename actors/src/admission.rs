@@ -143,6 +143,9 @@ impl Admission {
         })
         .map(move |reply: Option<EngineStepReply>, act, ctx| {
             crate::metrics::step_done(started.elapsed().as_secs_f64());
+            if let Some(reply) = reply.as_ref().filter(|r| r.forward.is_ok()) {
+                crate::metrics::forward_done(reply.first_step_seconds);
+            }
             let outcome = act.scheduler.finish_step(reply, Instant::now());
             act.after(outcome, ctx);
         });

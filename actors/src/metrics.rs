@@ -110,3 +110,9 @@ pub fn error_answered(code: &'static str) {
 pub fn step_done(seconds: f64) {
     histogram!("snapserve_step_duration_seconds").record(seconds);
 }
+
+/// The engine's forward pass of one step (its first decode step in a multi-step one),
+/// sampling included: what of a step is the model's, not the scheduler's.
+pub fn forward_done(seconds: f64) {
+    histogram!("snapserve_forward_duration_seconds").record(seconds);
+}
