@@ -220,7 +220,8 @@ fn serves_on_the_gpu() {
     engine::model::synthetic::write(model.path(), &spec).unwrap();
     let config = "[engine]\ngpu_memory_fraction = 0.5\n[cache]\npool_tokens = 65536\n\
                   [admission]\nmax_running = 32\ndecode_steps = 4\n\
-                  [snapshots]\nmin_save_tokens = 32\ndevice_budget_bytes = 8388608\n\
+                  [snapshots]\nmin_save_tokens = 32\nsave_after_sightings = 1\n\
+                  device_budget_bytes = 8388608\n\
                   host_budget_bytes = 1073741824\ndemote_to_host = true\n";
     let server = Server::start_on("cuda", model.path(), config);
     let prompt: Vec<u32> = (0..100).map(|i| 10 + i * 7 % 200).collect();

@@ -68,6 +68,7 @@ pub async fn render(handles: &Handles, prometheus: &PrometheusHandle) -> String 
     counter!("snapserve_snapshot_demotions_total").absolute(store.demotions);
     counter!("snapserve_snapshot_refusals_total").absolute(store.refusals);
     counter!("snapserve_snapshot_saves_total").absolute(store.saves_committed);
+    counter!("snapserve_snapshot_saves_skipped_total").absolute(store.saves_skipped);
 
     let memory = stats.memory;
     for (kind, bytes) in [

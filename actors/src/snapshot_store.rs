@@ -43,6 +43,11 @@ pub enum StoreOp {
         chain: Vec<PrefixHash>,
         tier: Tier,
     },
+    /// The same for a prompt, of as much of `chain` as the save policy's sightings allow.
+    BeginPromptSave {
+        chain: Vec<PrefixHash>,
+        tier: Tier,
+    },
     CommitSave(SaveReservation),
     AbortSave(SaveReservation),
     CommitDemotion(SnapshotId),
@@ -83,6 +88,9 @@ impl SnapshotStore {
             }
             StoreOp::BeginSave { chain, tier } => {
                 StoreReply::Save(self.store.begin_save(&chain, tier))
+            }
+            StoreOp::BeginPromptSave { chain, tier } => {
+                StoreReply::Save(self.store.begin_prompt_save(&chain, tier))
             }
             StoreOp::CommitSave(reservation) => {
                 StoreReply::Done(self.store.commit_save(reservation).map(drop))

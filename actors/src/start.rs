@@ -82,18 +82,20 @@ pub fn build(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Parts, Se
         max_slots: max_running as u32,
         reservation: policies.cache.reservation(),
     });
-    let store = Store::new(
+    let on_gpu = info.name == "cuda";
+    let mut store = Store::new(
         SnapshotGeometry {
             kv: info.geometry,
             fixed_state_bytes: 0,
         },
         &policies.snapshots,
     );
+    store.set_save_after_sightings(policies.snapshots.save_after_sightings(on_gpu));
     let scheduler = Scheduler::new(SchedulerConfig {
         max_queue: policies.admission.max_queue(),
         max_running,
         step_token_budget: policies.admission.step_token_budget(),
-        max_step: policies.admission.max_step(info.name == "cuda"),
+        max_step: policies.admission.max_step(on_gpu),
         decode_steps: policies.admission.decode_steps(),
         page_tokens,
         total_pages: info.num_pages,

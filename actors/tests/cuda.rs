@@ -42,7 +42,9 @@ fn cuda_backend(files: &ModelFiles, pages: usize) -> CudaBackend {
 async fn the_actors_serve_on_the_gpu() {
     let (_dir, files) = model();
     let vocab = files.config.vocab_size;
-    let toml = "[admission]\nmax_running = 64\nstep_token_budget = 2048\n[snapshots]\nmin_save_tokens = 32\n";
+    // Every prompt is saved at first sight (a GPU's default waits for a second).
+    let toml = "[admission]\nmax_running = 64\nstep_token_budget = 2048\n\
+                [snapshots]\nmin_save_tokens = 32\nsave_after_sightings = 1\n";
     let handles = actors::start(
         Box::new(cuda_backend(&files, 1024)),
         serve_config(&files, policies(toml)),

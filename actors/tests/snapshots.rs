@@ -103,3 +103,44 @@ async fn a_snapshot_restores_into_other_pages_after_its_own_were_reused() {
     assert_eq!(stats.scheduler.restored_tokens, (4 * PAGE) as u64);
     assert!(finished(&filler.collect().await));
 }
+
+/// With `save_after_sightings = 2`, a prompt seen once is not saved (and that is counted); seen
+/// twice it is, and the third request restores it with the cold run's tokens.
+#[actix_rt::test]
+async fn a_prompt_is_saved_on_its_second_sighting() {
+    let model = TinyModel::new();
+    let vocab = model.files.config.vocab_size;
+    let request = GenerateRequest {
+        prompt: prompt(6, 5 * PAGE + 2, vocab),
+        params: greedy(6),
+    };
+    let expected = solo(&model.files, &request);
+    let toml = format!("{SNAPSHOTS}save_after_sightings = 2\n");
+    let handles = actors::start(
+        Box::new(cpu_backend(&model.files, 64)),
+        serve_config(&model.files, policies(&toml)),
+    )
+    .unwrap();
+    let mut saved = Vec::new();
+    for _ in 0..3 {
+        let completion = handles
+            .submit(request.clone())
+            .await
+            .unwrap()
+            .collect()
+            .await;
+        assert!(finished(&completion));
+        assert_eq!(completion.tokens, expected);
+        let stats = wait_idle(&handles).await;
+        saved.push((
+            stats.store.saves_skipped,
+            stats.store.saves_committed,
+            stats.store.hits,
+        ));
+    }
+    assert_eq!(
+        saved,
+        [(1, 0, 0), (1, 1, 0), (1, 1, 1)],
+        "(skipped, saved, hits) after each request"
+    );
+}

@@ -56,7 +56,7 @@ fn save(store: &mut SnapshotStore, chain: &[PrefixHash]) -> bool {
             store.commit_save(reservation).unwrap();
             true
         }
-        SaveStart::AlreadyStored(_) => false,
+        SaveStart::AlreadyStored(_) | SaveStart::NotSeenEnough => false,
     }
 }
 

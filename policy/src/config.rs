@@ -109,7 +109,16 @@ pub struct SnapshotConfig {
     pub save_prompts: bool,
     /// Prompts shorter than this are not saved (their prefill is cheap).
     pub min_save_tokens: usize,
+    /// A prompt's prefix is saved once this many requests have shown it: 1 saves every
+    /// prompt, 2 waits for a repeat (the whole prompt) or a shared opening (a prefix at a
+    /// 256-token stride boundary). Unset: [`DEFAULT_SAVE_AFTER_SIGHTINGS_GPU`] on a GPU,
+    /// where saving competes with the step for the device, and 1 on the CPU, where a save
+    /// is a small copy next to the prefill it spares.
+    pub save_after_sightings: Option<u32>,
 }
+
+/// The default `snapshots.save_after_sightings` on a GPU (BENCHMARKS.md says why).
+pub const DEFAULT_SAVE_AFTER_SIGHTINGS_GPU: u32 = 2;
 
 /// `[backoff]`: what a job that hit context-full does.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -188,6 +197,7 @@ impl Default for SnapshotConfig {
             demote_to_host: false,
             save_prompts: true,
             min_save_tokens: 64,
+            save_after_sightings: None,
         }
     }
 }
@@ -271,6 +281,7 @@ pub struct SnapshotPolicy {
     demote_to_host: bool,
     save_prompts: bool,
     min_save_tokens: usize,
+    save_after_sightings: Option<u32>,
 }
 
 impl SnapshotPolicy {
@@ -291,6 +302,14 @@ impl SnapshotPolicy {
     }
     pub fn min_save_tokens(&self) -> usize {
         self.min_save_tokens
+    }
+    /// The configured sightings before a prompt is saved, or the backend's default.
+    pub fn save_after_sightings(&self, on_gpu: bool) -> u32 {
+        self.save_after_sightings.unwrap_or(if on_gpu {
+            DEFAULT_SAVE_AFTER_SIGHTINGS_GPU
+        } else {
+            1
+        })
     }
 }
 
@@ -464,6 +483,11 @@ impl SnapshotConfig {
             "snapshots.demote_to_host",
             || "needs snapshots.host_budget_bytes > 0".to_string(),
         )?;
+        require(
+            self.save_after_sightings != Some(0),
+            "snapshots.save_after_sightings",
+            || "must be at least 1".to_string(),
+        )?;
         Ok(SnapshotPolicy {
             device_budget_bytes: self.device_budget_bytes,
             host_budget_bytes: self.host_budget_bytes,
@@ -471,6 +495,7 @@ impl SnapshotConfig {
             demote_to_host: self.demote_to_host,
             save_prompts: self.save_prompts,
             min_save_tokens: self.min_save_tokens,
+            save_after_sightings: self.save_after_sightings,
         })
     }
 }

@@ -534,9 +534,10 @@ impl Scheduler {
         }
         for (index, pages, kind) in wanted {
             let chain = self.running[index].chain(&self.hasher, pages).to_vec();
-            ops.push(StoreOp::BeginSave {
-                chain,
-                tier: self.config.save_tier,
+            let tier = self.config.save_tier;
+            ops.push(match kind {
+                SaveKind::Prompt => StoreOp::BeginPromptSave { chain, tier },
+                SaveKind::Preemption => StoreOp::BeginSave { chain, tier },
             });
             draft.store_purposes.push(StorePurpose::Save(index, kind));
         }
@@ -654,13 +655,15 @@ impl Scheduler {
             }
             (
                 StorePurpose::Save(index, SaveKind::Prompt),
-                StoreReply::Save(Ok(SaveStart::AlreadyStored(_))),
+                StoreReply::Save(Ok(SaveStart::AlreadyStored(_) | SaveStart::NotSeenEnough)),
             ) => {
                 self.running[index].prompt_saved = true;
             }
             (
                 StorePurpose::Save(..),
-                StoreReply::Save(Ok(SaveStart::AlreadyStored(_)) | Err(_)),
+                StoreReply::Save(
+                    Ok(SaveStart::AlreadyStored(_) | SaveStart::NotSeenEnough) | Err(_),
+                ),
             ) => {}
             (purpose, reply) => unreachable!("store answered {reply:?} to {purpose:?}"),
         }

@@ -26,6 +26,7 @@
 //! bytes on their way from the device tier to the host tier) → `Ready` on the host tier.
 
 mod index;
+mod sightings;
 mod tier;
 
 use std::mem;
@@ -39,6 +40,7 @@ use crate::ids::{BackingId, SlotHandle, SnapshotId};
 use crate::plan::{PageCopy, page_copies};
 use crate::prefix::PrefixHash;
 use index::{PrefixIndex, U64Map};
+use sightings::Sightings;
 use tier::TierState;
 pub use tier::{Tier, TierStats};
 
@@ -157,6 +159,8 @@ pub enum SaveStart {
     },
     /// This prefix is already stored (or being saved); it was refreshed and nothing was charged.
     AlreadyStored(SnapshotId),
+    /// A prompt no prefix of which has been seen often enough yet: nothing saved.
+    NotSeenEnough,
 }
 
 /// A pinned snapshot and the copies that restore it: row `snapshot_page` of `backing` goes to
@@ -201,6 +205,8 @@ pub struct StoreStats {
     pub refusals: u64,
     pub saves_committed: u64,
     pub saves_aborted: u64,
+    /// Prompt saves not made because no prefix had been seen `save_after_sightings` times.
+    pub saves_skipped: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -250,6 +256,9 @@ pub struct SnapshotStore {
     tiers: [TierState; 2],
     snapshots: U64Map<SnapshotId, Snapshot>,
     index: PrefixIndex,
+    sightings: Sightings,
+    /// A prompt's prefix is saved once this many lookups have shown it.
+    save_after_sightings: u32,
     /// Logical time of the latest use; stamps recency.
     clock: u64,
     /// The last ids handed out; ids start at 1 and are never reused.
@@ -267,6 +276,7 @@ struct Counters {
     refusals: u64,
     saves_committed: u64,
     saves_aborted: u64,
+    saves_skipped: u64,
 }
 
 impl SnapshotStore {
@@ -284,6 +294,8 @@ impl SnapshotStore {
             ],
             snapshots: U64Map::default(),
             index: PrefixIndex::default(),
+            sightings: Sightings::default(),
+            save_after_sightings: policy.save_after_sightings(false),
             clock: 0,
             next_snapshot: 0,
             next_backing: 0,
@@ -293,6 +305,12 @@ impl SnapshotStore {
 
     pub fn geometry(&self) -> SnapshotGeometry {
         self.geometry
+    }
+
+    /// Saves a prompt's prefix once this many lookups have shown it (the policy's default is
+    /// the CPU's; the server sets the backend's).
+    pub fn set_save_after_sightings(&mut self, sightings: u32) {
+        self.save_after_sightings = sightings.max(1);
     }
 
     fn tier(&self, tier: Tier) -> &TierState {
@@ -379,6 +397,26 @@ impl SnapshotStore {
             reservation,
             evictions,
         })
+    }
+
+    /// Starts saving a prompt's prefix, as `begin_save` does, but only as much of `chain` as
+    /// `save_after_sightings` lookups have shown: the whole prompt once it repeated, else the
+    /// longest opening it shares with earlier prompts at a stride boundary, else nothing
+    /// (`NotSeenEnough`, counted). A lookup of the prompt itself counts as one sighting.
+    pub fn begin_prompt_save(
+        &mut self,
+        chain: &[PrefixHash],
+        tier: Tier,
+    ) -> Result<SaveStart, CacheError> {
+        let pages = match self.save_after_sightings {
+            1 => chain.len(),
+            at_least => self.sightings.seen_pages(chain, at_least),
+        };
+        if pages == 0 {
+            self.counters.saves_skipped += 1;
+            return Ok(SaveStart::NotSeenEnough);
+        }
+        self.begin_save(&chain[..pages], tier)
     }
 
     fn reserve(&mut self, chain: &[PrefixHash], tier: Tier, bytes: u64) -> SaveReservation {
@@ -518,7 +556,11 @@ impl SnapshotStore {
 
     /// The published snapshot covering the longest prefix of `chain`: a whole snapshot, or the
     /// head of a longer one (see the module's promises). A hit is a use.
+    /// The lookup is also a sighting of `chain` for the save policy.
     pub fn lookup_longest(&mut self, chain: &[PrefixHash]) -> Option<LookupHit> {
+        if self.save_after_sightings > 1 {
+            self.sightings.record(chain);
+        }
         let snapshots = &self.snapshots;
         let whole = self.index.longest(chain, |id, pages| {
             let snapshot = &snapshots[&id];
@@ -676,6 +718,7 @@ impl SnapshotStore {
             refusals: c.refusals,
             saves_committed: c.saves_committed,
             saves_aborted: c.saves_aborted,
+            saves_skipped: c.saves_skipped,
         }
     }
 }

@@ -76,6 +76,7 @@ fn reserve(
             evictions,
         } => (reservation, evictions),
         SaveStart::AlreadyStored(id) => panic!("{pages:?} is already stored as {id}"),
+        SaveStart::NotSeenEnough => unreachable!("begin_save saves whatever it is given"),
     }
 }
 
@@ -581,4 +582,56 @@ fn snapshots_with_fixed_state_lend_no_heads() {
             .map(|h| h.pages),
         Some(40)
     );
+}
+
+/// The pages a prompt save reserved, or `None` when it saved nothing.
+fn prompt_save(store: &mut SnapshotStore, pages: &[u32]) -> Option<usize> {
+    match store
+        .begin_prompt_save(&chain(pages), Tier::Device)
+        .unwrap()
+    {
+        SaveStart::Reserved { reservation, .. } => {
+            let saved = reservation.pages();
+            store.commit_save(reservation).unwrap();
+            Some(saved)
+        }
+        SaveStart::AlreadyStored(_) | SaveStart::NotSeenEnough => None,
+    }
+}
+
+#[test]
+fn a_prompt_is_saved_on_its_second_sighting_and_counted_when_skipped() {
+    let mut store = roomy_store();
+    store.set_save_after_sightings(2);
+    let prompt = [1, 2, 3];
+    assert_eq!(hit(&mut store, &prompt), None);
+    assert_eq!(prompt_save(&mut store, &prompt), None, "seen once");
+    assert_eq!(store.stats().saves_skipped, 1);
+    assert_eq!(hit(&mut store, &prompt), None);
+    assert_eq!(prompt_save(&mut store, &prompt), Some(3), "seen twice");
+    assert!(hit(&mut store, &prompt).is_some());
+    // At one sighting every prompt is saved, as before the policy existed.
+    let mut eager = roomy_store();
+    eager.set_save_after_sightings(1);
+    assert_eq!(hit(&mut eager, &[9, 9]), None);
+    assert_eq!(prompt_save(&mut eager, &[9, 9]), Some(2));
+    assert_eq!(eager.stats().saves_skipped, 0);
+}
+
+#[test]
+fn a_shared_opening_is_saved_up_to_the_stride_its_prompts_share() {
+    let mut store = roomy_store();
+    store.set_save_after_sightings(2);
+    let first = conversation(20, 3);
+    let second = conversation(20, 5);
+    hit(&mut store, &first);
+    assert_eq!(prompt_save(&mut store, &first), None);
+    hit(&mut store, &second);
+    // The two share 20 pages; the deepest recorded boundary inside them is page 16.
+    assert_eq!(prompt_save(&mut store, &second), Some(16));
+    let third = conversation(20, 7);
+    let restored = store
+        .lookup_longest(&chain(&third))
+        .expect("the opening is stored");
+    assert_eq!(restored.pages, 16);
 }
