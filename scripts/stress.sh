@@ -10,7 +10,7 @@
 #    (SOAK_S=0 skips it).
 #
 # $SNAPSERVE names a prebuilt binary (else cargo builds one); $SERVE_ARGS are added to every
-# `snapserve serve` (a --model, or --random-weights --model-config FILE); $CONFIG is the
+# `snapserve serve` (a --model, or --random-weights --model-config FILE --tokenizer DIR); $CONFIG is the
 # deployment file (default configs/cpu.toml). Writes each server's log and each table under
 # $OUT (default .).
 #

@@ -168,11 +168,16 @@ struct ServeArgs {
     http_workers: usize,
 
     /// Serve a model of the shape --model-config gives with weights drawn on the GPU from
-    /// --seed (CUDA only), with --model's tokenizer and chat template; the vocabulary is cut
-    /// to the tokenizer's, so every sampled token has text. For measuring a shape one has
-    /// no checkpoint of.
-    #[arg(long, requires = "model_config")]
+    /// --seed (CUDA only), with the tokenizer and chat template of --tokenizer; the
+    /// vocabulary is cut to the tokenizer's, so every sampled token has text. For measuring
+    /// a shape one has no checkpoint of.
+    #[arg(long, requires = "model_config", conflicts_with = "model")]
     random_weights: bool,
+
+    /// The model folder whose tokenizer and chat template --random-weights uses (its weights
+    /// are not read) [default: the embedded SmolLM2's].
+    #[arg(long, requires = "random_weights")]
+    tokenizer: Option<PathBuf>,
 
     /// A config.json giving the model shape for --random-weights.
     #[arg(long)]
@@ -230,6 +235,20 @@ struct LoadtestArgs {
     /// reach zero (up to a minute) and report them; fail if they do not.
     #[arg(long)]
     check_idle: bool,
+
+    /// Prompts are random token ids: each shared opening (each whole prompt with --prefixes
+    /// 0) has this many, instead of --prefix-words words.
+    #[arg(long)]
+    prefix_tokens: Option<usize>,
+
+    /// With token-id prompts, the new tokens each request adds after its opening.
+    #[arg(long, default_value_t = 0, requires = "prefix_tokens")]
+    suffix_tokens: usize,
+
+    /// Instead of a load: time to first token at one request in flight for new prompts of
+    /// each of these lengths (tokens), --requests of each.
+    #[arg(long, value_delimiter = ',')]
+    ttft_sweep: Vec<usize>,
 }
 
 #[derive(Args)]
@@ -358,7 +377,7 @@ fn serve(cache_dir: &Path, args: ServeArgs) -> Result<()> {
     let kind = args
         .backend
         .map_or(policies.engine.backend, BackendKind::from);
-    let dir = model_dir(cache_dir, args.model, DType::BF16)?;
+    let dir = model_dir(cache_dir, args.model.or(args.tokenizer), DType::BF16)?;
     let files = ModelFiles::open(&dir)?;
     let cpu = CpuOptions::from_policies(
         &policies.engine,
@@ -483,10 +502,20 @@ fn loadtest(args: LoadtestArgs) -> Result<()> {
         "--disconnect-fraction must be in [0, 1], got {}",
         args.disconnect_fraction
     );
+    if !args.ttft_sweep.is_empty() {
+        let table =
+            actors::loadtest::ttft_sweep(&args.url, &args.ttft_sweep, args.requests, args.seed);
+        print!("{table}");
+        return Ok(());
+    }
     let spec = actors::loadtest::LoadSpec {
-        prefix_words: args.prefix_words,
+        prefix_words: args.prefix_tokens.unwrap_or(args.prefix_words),
         prefixes: args.prefixes,
-        suffix_words: args.suffix_words,
+        suffix_words: match args.prefix_tokens {
+            Some(_) => args.suffix_tokens,
+            None => args.suffix_words,
+        },
+        token_ids: args.prefix_tokens.is_some(),
         max_tokens: args.max_tokens,
         seed: args.seed,
         progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),

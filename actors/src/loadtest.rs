@@ -37,12 +37,17 @@ pub struct LoadSpec {
     pub requests: usize,
     /// Requests in flight at once.
     pub concurrency: usize,
-    /// Words in each shared opening (or in each whole prompt when `prefixes` is 0).
+    /// Words in each shared opening (or in each whole prompt when `prefixes` is 0); tokens
+    /// with `token_ids`.
     pub prefix_words: usize,
     /// Distinct shared openings; 0 makes every prompt new.
     pub prefixes: usize,
-    /// Words each request adds after its opening; 0 repeats the opening alone.
+    /// Words each request adds after its opening; 0 repeats the opening alone. Tokens with
+    /// `token_ids`.
     pub suffix_words: usize,
+    /// Prompts are lists of random token ids (as a benchmark client sends them) instead of
+    /// words: their lengths are exact.
+    pub token_ids: bool,
     pub max_tokens: usize,
     pub seed: u64,
     /// Shows a progress bar on stderr.
@@ -67,6 +72,7 @@ impl LoadSpec {
             prefix_words: 400,
             prefixes: 4,
             suffix_words: 12,
+            token_ids: false,
             max_tokens: 64,
             seed: 0,
             progress: false,
@@ -134,23 +140,35 @@ fn words(rng: &mut ChaCha8Rng, count: usize) -> String {
         .join(" ")
 }
 
+/// `count` random token ids, all of them ordinary tokens in any vocabulary we serve.
+fn token_ids(rng: &mut ChaCha8Rng, count: usize) -> Vec<u32> {
+    (0..count).map(|_| rng.random_range(100..30_000)).collect()
+}
+
 impl LoadSpec {
-    /// The prompt of request `index`: reproducible from the seed.
-    pub fn prompt(&self, index: usize) -> String {
+    /// The prompt of request `index`, as the `prompt` field: reproducible from the seed.
+    pub fn prompt(&self, index: usize) -> Value {
         let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ (index as u64).wrapping_mul(0x9e37));
-        if self.prefixes == 0 {
-            return words(&mut rng, self.prefix_words + self.suffix_words);
+        // A shared opening is drawn from its own seed; a new prompt's from the request's.
+        let mut shared = (self.prefixes > 0).then(|| {
+            let which = rng.random_range(0..self.prefixes);
+            ChaCha8Rng::seed_from_u64(self.seed.wrapping_add(which as u64 + 1))
+        });
+        let opening_rng = shared.as_mut().unwrap_or(&mut rng);
+        if self.token_ids {
+            let mut ids = token_ids(opening_rng, self.prefix_words);
+            ids.extend(token_ids(&mut rng, self.suffix_words));
+            return json!(ids);
         }
-        let which = rng.random_range(0..self.prefixes);
-        let mut opening = ChaCha8Rng::seed_from_u64(self.seed.wrapping_add(which as u64 + 1));
-        let opening = words(&mut opening, self.prefix_words);
+        let opening = words(opening_rng, self.prefix_words);
         if self.suffix_words == 0 {
-            return opening;
+            return json!(opening);
         }
-        format!(
-            "{opening}\nQuestion {index}: {}?",
-            words(&mut rng, self.suffix_words)
-        )
+        let question = words(&mut rng, self.suffix_words);
+        if self.prefixes == 0 {
+            return json!(format!("{opening} {question}"));
+        }
+        json!(format!("{opening}\nQuestion {index}: {question}?"))
     }
 }
 
@@ -443,6 +461,73 @@ fn wait_idle(agent: &ureq::Agent, url: &str) -> IdleCheck {
     }
 }
 
+/// Time to first token at one request in flight, for new prompts of each of `lengths` tokens
+/// (random ids), `per_length` requests each, one token generated: what a lone user waits for a
+/// prefill, the server's overhead included. Returns the table `snapserve loadtest
+/// --ttft-sweep` prints.
+pub fn ttft_sweep(url: &str, lengths: &[usize], per_length: usize, seed: u64) -> String {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(600)))
+        .build()
+        .into();
+    let url = format!("{}/v1/completions", url.trim_end_matches('/'));
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x77f7);
+    let mut out = format!(
+        "time to first token at one request in flight, {per_length} new prompts per length\n\
+         {:>14} {:>10} {:>10} {:>10} {:>10} {:>7}\n",
+        "prompt tokens", "min ms", "p50 ms", "p90 ms", "p99 ms", "failed"
+    );
+    for &length in lengths {
+        let mut times = Vec::with_capacity(per_length);
+        let mut failed = 0;
+        for _ in 0..per_length {
+            let body = json!({
+                "prompt": token_ids(&mut rng, length.max(1)),
+                "max_tokens": 1,
+                "temperature": 0,
+                "ignore_eos": true,
+                "stream": true,
+            });
+            match first_chunk(&agent, &url, &body) {
+                Some(time) => times.push(time),
+                None => failed += 1,
+            }
+        }
+        let ms = |d: Option<Duration>| d.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3);
+        let min = times.iter().min().copied();
+        out += &format!(
+            "{length:>14} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {failed:>7}\n",
+            ms(min),
+            ms(percentile(&mut times, 0.5)),
+            ms(percentile(&mut times, 0.9)),
+            ms(percentile(&mut times, 0.99)),
+        );
+    }
+    out
+}
+
+/// Sends a streamed request and times its first event, then reads it to the end; `None` if it
+/// failed.
+fn first_chunk(agent: &ureq::Agent, url: &str, body: &Value) -> Option<Duration> {
+    let started = Instant::now();
+    let mut response = agent.post(url).send_json(body).ok()?;
+    if response.status() != 200 {
+        return None;
+    }
+    let mut first = None;
+    for line in BufReader::new(response.body_mut().as_reader()).lines() {
+        let line = line.ok()?;
+        if let Some(data) = line.strip_prefix("data: ") {
+            first.get_or_insert_with(|| started.elapsed());
+            if data == "[DONE]" {
+                break;
+            }
+        }
+    }
+    first
+}
+
 /// The value below which `q` of `values` fall (nearest rank), or `None` when empty.
 pub fn percentile(values: &mut [Duration], q: f64) -> Option<Duration> {
     if values.is_empty() {
@@ -494,10 +579,11 @@ impl LoadReport {
             line(format!("  {n} × {error}"));
         }
         line(format!(
-            "throughput: {:.2} requests/s, {:.1} generated tokens/s; prompt tokens {prompt}, \
-             {cached} of them restored from snapshots ({:.1}%)",
+            "throughput: {:.2} requests/s, {:.1} generated tokens/s, {:.1} tokens/s with the \
+             prompts'; prompt tokens {prompt}, {cached} of them restored from snapshots ({:.1}%)",
             ok.len() as f64 / wall,
             generated as f64 / wall,
+            (prompt + generated) as f64 / wall,
             100.0 * cached as f64 / prompt.max(1) as f64
         ));
         line(format!(
@@ -613,7 +699,16 @@ mod tests {
             ..LoadSpec::new("", 10, 1)
         };
         let openings: std::collections::HashSet<String> = (0..10)
-            .map(|i| spec.prompt(i).split('\n').next().unwrap().to_string())
+            .map(|i| {
+                let prompt = spec.prompt(i);
+                prompt
+                    .as_str()
+                    .unwrap()
+                    .split('\n')
+                    .next()
+                    .unwrap()
+                    .to_string()
+            })
             .collect();
         assert_eq!(openings.len(), 2, "{openings:?}");
         assert_eq!(spec.prompt(3), spec.prompt(3));
@@ -622,7 +717,20 @@ mod tests {
             prefixes: 0,
             ..spec
         };
-        assert_ne!(fresh.prompt(1)[..40], fresh.prompt(2)[..40]);
+        let (one, two) = (fresh.prompt(1), fresh.prompt(2));
+        assert_ne!(one.as_str().unwrap()[..40], two.as_str().unwrap()[..40]);
+        let ids = LoadSpec {
+            token_ids: true,
+            prefixes: 1,
+            prefix_words: 100,
+            suffix_words: 7,
+            ..fresh
+        };
+        let (one, two) = (ids.prompt(1), ids.prompt(2));
+        let (one, two) = (one.as_array().unwrap(), two.as_array().unwrap());
+        assert_eq!((one.len(), two.len()), (107, 107));
+        assert_eq!(one[..100], two[..100], "one shared opening");
+        assert_ne!(one[100..], two[100..], "each request's own tokens");
     }
 
     #[test]

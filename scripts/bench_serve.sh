@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The serving benchmarks of BENCHMARKS.md (issue 10), each against a fresh server on the
+# shipped configs/gpu.toml, driven by `snapserve loadtest` with token-id prompts and ignore_eos:
+#
+#   (a) 128 prompt / 128 generated tokens, 1,024 requests, 256 in flight;
+#   (b) 1,024 / 128, 256 requests, 64 in flight;
+#   (c) time to first token at one in flight, new prompts of 1 to 2,048 tokens;
+#   (d) a 32,000-token prompt at one in flight: cold, repeated, then repeated with 32 new
+#       tokens per request;
+#   (e) (b) again with saves off (save_prompts = false) and with every prompt saved
+#       (save_after_sightings = 1): what saving costs on prompts that never repeat.
+#
+# $SNAPSERVE names a prebuilt binary (else cargo builds one); $SERVE_ARGS the model (default:
+# the Llama-3.1-8B shape with random weights and $TOKENIZER's tokenizer, default the embedded
+# SmolLM2's); $CONFIG the deployment file; $SCENARIOS which to run (default "a b c d e").
+# Writes each server's log and each table under $OUT (default .).
+#
+#     [SNAPSERVE=path] [TOKENIZER=dir] [SERVE_ARGS="--model dir"] scripts/bench_serve.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=${SNAPSERVE:-}
+if [ -z "$bin" ]; then
+    cargo build --release --quiet
+    bin=./target/release/snapserve
+fi
+config=${CONFIG:-configs/gpu.toml}
+out=${OUT:-.}
+port=${PORT:-8079}
+scenarios=${SCENARIOS:-a b c d e}
+tokenizer_args=()
+[ -n "${TOKENIZER:-}" ] && tokenizer_args=(--tokenizer "$TOKENIZER")
+default_model="--random-weights --model-config scripts/shapes/llama-3.1-8b.json ${tokenizer_args[*]}"
+read -r -a serve_args <<< "${SERVE_ARGS:-$default_model}"
+
+# serve NAME CONFIG_FILE: starts a server, waits for /health.
+serve() {
+    "$bin" serve "${serve_args[@]}" --config "$2" --port "$port" > "$out/$1.serve.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1500); do
+        if curl -sf "localhost:$port/health" > /dev/null; then
+            return
+        fi
+        if ! kill -0 "$server" 2> /dev/null; then
+            cat "$out/$1.serve.log"
+            exit 1
+        fi
+        sleep 0.2
+    done
+    echo "the server did not come up" >&2
+    exit 1
+}
+
+# stop NAME: keeps /metrics, stops the server with SIGTERM.
+stop() {
+    curl -s "localhost:$port/metrics" > "$out/$1.metrics.txt" || true
+    kill "$server"
+    wait "$server" || echo "the $1 server exited with status $? after SIGTERM" >&2
+}
+
+# load NAME ARGS...: one loadtest against the running server, its table kept.
+load() {
+    local name=$1
+    shift
+    echo "## $name"
+    "$bin" loadtest --url "http://127.0.0.1:$port" "$@" | tee "$out/$name.txt"
+}
+
+# with KEY VALUE: the configuration with one key set.
+with() {
+    sed "s/^$1 *=.*/$1 = $2/" "$config" > "$out/$1-$2.toml"
+    grep -q "^$1 = $2\$" "$out/$1-$2.toml" || { echo "$config has no $1 line" >&2; exit 1; }
+    echo "$out/$1-$2.toml"
+}
+
+echo "# $(date -u +%Y-%m-%dT%H:%MZ) $config ${serve_args[*]}"
+new_1024=(--prefix-tokens 1024 --prefixes 0 --max-tokens 128 --requests 256 --concurrency 64)
+for scenario in $scenarios; do
+    case $scenario in
+    a)
+        serve a "$config"
+        load "a-128-128" --prefix-tokens 128 --prefixes 0 --max-tokens 128 --requests 1024 \
+            --concurrency 256
+        stop a
+        ;;
+    b)
+        serve b "$config"
+        load "b-1024-128" "${new_1024[@]}"
+        stop b
+        ;;
+    c)
+        serve c "$config"
+        echo "## c-ttft"
+        "$bin" loadtest --url "http://127.0.0.1:$port" --requests 20 \
+            --ttft-sweep 1,16,64,128,256,512,1024,2048 | tee "$out/c-ttft.txt"
+        stop c
+        ;;
+    d)
+        serve d "$config"
+        load "d-32k-repeated" --prefix-tokens 32000 --prefixes 1 --max-tokens 1 --requests 4 \
+            --concurrency 1
+        load "d-32k-plus-32" --prefix-tokens 32000 --suffix-tokens 32 --prefixes 1 \
+            --max-tokens 1 --requests 4 --concurrency 1
+        stop d
+        ;;
+    e)
+        serve e-off "$(with save_prompts false)"
+        load "e-saves-off" "${new_1024[@]}"
+        stop e-off
+        serve e-every "$(with save_after_sightings 1)"
+        load "e-every-prompt-saved" "${new_1024[@]}"
+        stop e-every
+        ;;
+    esac
+done
