@@ -149,6 +149,17 @@ fn chat_completions_stop_strings_and_streams() {
         whole.starts_with(content),
         "{content:?} is not a prefix of {whole:?}"
     );
+
+    // The stop string ended the request through the scheduler: finished, not cancelled, and
+    // its pages released.
+    server.wait_until("the stopped request ends", Duration::from_secs(10), |s| {
+        s.metric("snapserve_requests_total{outcome=\"finished\"}") == 3.0
+    });
+    assert_eq!(
+        server.metric("snapserve_requests_total{outcome=\"cancelled\"}"),
+        0.0
+    );
+    assert!(server.is_idle());
 }
 
 #[test]

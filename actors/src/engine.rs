@@ -18,8 +18,7 @@ use cache::{BackingId, Eviction, PageCopy, SnapshotId, Tier};
 use engine::EngineError;
 use engine::backend::{Backend, BackendInfo, MemoryReport, RowPlan, StepOutput, StepPlan};
 use engine::sampling::Sampler;
-
-use crate::request::is_stop_token;
+use engine::stop::is_stop_token;
 
 pub struct Engine {
     backend: Box<dyn Backend>,

@@ -20,6 +20,10 @@ pub enum ServeError {
     #[error("the server is shutting down")]
     ShuttingDown,
 
+    /// Cancelled by whoever holds the request's id ([`crate::Handles::cancel`]).
+    #[error("the request was cancelled")]
+    Cancelled,
+
     /// The backend failed a step this request was part of.
     #[error("the engine failed: {0}")]
     Engine(String),
@@ -42,6 +46,7 @@ impl ServeError {
             ServeError::Overloaded { .. } => "overloaded",
             ServeError::Invalid(_) => "validation",
             ServeError::ShuttingDown => "shutting_down",
+            ServeError::Cancelled => "cancelled",
             ServeError::Engine(_) => "engine_error",
             ServeError::ContextFull { .. } => "context_full",
         }

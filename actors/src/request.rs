@@ -4,8 +4,14 @@
 //! mailbox. Every admitted request ends with exactly one terminal event (`Finished`, `Failed`
 //! or `Cancelled`), after which the channel closes. Dropping the [`RequestStream`] cancels the
 //! request: the scheduler sees the closed channel and frees its pages within one step.
+//! [`RequestStream::stop`] ends it the same way but as finished, for a caller whose text
+//! reached one of the request's stop strings.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use engine::sampling::SamplingParams;
+pub use engine::stop::FinishReason;
 use tokio::sync::mpsc;
 
 use crate::error::ServeError;
@@ -19,21 +25,6 @@ pub struct RequestId(pub u64);
 pub struct GenerateRequest {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
-}
-
-/// Why a request finished.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An end-of-sequence token or one of the request's stop token ids.
-    Stop,
-    /// `max_tokens` generated, or the model's context is full.
-    Length,
-}
-
-/// Whether `token` ends a request with `params` as [`FinishReason::Stop`]: one of its stop
-/// token ids, or the model's end of sequence unless it ignores that.
-pub fn is_stop_token(params: &SamplingParams, eos_token_ids: &[u32], token: u32) -> bool {
-    params.stop_token_ids.contains(&token) || (!params.ignore_eos && eos_token_ids.contains(&token))
 }
 
 /// Token counts of a finished request.
@@ -71,11 +62,27 @@ pub(crate) enum Delivery {
     End(Event),
 }
 
+/// Set by the caller when its text reached a stop string; read by the scheduler once the
+/// caller's end is closed, to end the request as finished rather than cancelled.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct StopFlag(Arc<AtomicBool>);
+
+impl StopFlag {
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+
+    fn set(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
 /// The caller's end of a request.
 #[derive(Debug)]
 pub struct RequestStream {
     pub id: RequestId,
     pub(crate) events: mpsc::UnboundedReceiver<Delivery>,
+    stopped: StopFlag,
     /// Tokens of a batch not yet handed out.
     pending: std::vec::IntoIter<u32>,
 }
@@ -88,12 +95,24 @@ pub struct Completion {
 }
 
 impl RequestStream {
-    pub(crate) fn new(id: RequestId, events: mpsc::UnboundedReceiver<Delivery>) -> Self {
+    pub(crate) fn new(
+        id: RequestId,
+        events: mpsc::UnboundedReceiver<Delivery>,
+        stopped: StopFlag,
+    ) -> Self {
         RequestStream {
             id,
             events,
+            stopped,
             pending: Vec::new().into_iter(),
         }
+    }
+
+    /// Ends the request as finished by a stop string (the caller's text reached one): the
+    /// scheduler sees the closed stream within one step, releases the pages and counts the
+    /// request finished with [`FinishReason::Stop`]. Tokens it generated meanwhile are dropped.
+    pub fn stop(self) {
+        self.stopped.set();
     }
 
     /// The next event, or `None` once the terminal event has been read.

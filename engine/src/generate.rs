@@ -10,17 +10,9 @@ use cache::PageId;
 use crate::backend::{Backend, LogitsWanted, RowPlan, StepPlan};
 use crate::error::{EngineError, Result};
 use crate::sampling::{Sampler, SamplingParams};
-use crate::stop::StopMatcher;
+pub use crate::stop::FinishReason;
+use crate::stop::{StopMatcher, finish_after};
 use crate::tokenizer::{TextStream, Tokenizer};
-
-/// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An end-of-sequence token, a stop token id or a stop string.
-    Stop,
-    /// `max_tokens` were generated, or the context is full.
-    Length,
-}
 
 /// The result of [`generate`].
 #[derive(Debug, Clone)]
@@ -104,33 +96,31 @@ pub fn generate(
 
     let started = Instant::now();
     let (mut tokens, mut text) = (Vec::new(), String::new());
-    let mut finish_reason = FinishReason::Length;
-    while tokens.len() < max_new {
+    let finish_reason = loop {
         let token = sampler.sample(&mut logits);
         sampler.accept(token);
         tokens.push(token);
-        let is_eos = !params.ignore_eos && vocab.eos_token_ids.contains(&token);
-        if is_eos || params.stop_token_ids.contains(&token) {
-            finish_reason = FinishReason::Stop;
-            break;
+        let ended = finish_after(params, vocab.eos_token_ids, token, tokens.len(), max_new);
+        if ended == Some(FinishReason::Stop) {
+            break FinishReason::Stop;
         }
         let piece = stops.push(&stream.push(vocab.tokenizer, token)?);
         on_text(&piece.text);
         text.push_str(&piece.text);
         if piece.matched.is_some() {
-            finish_reason = FinishReason::Stop;
-            break;
+            break FinishReason::Stop;
         }
-        if tokens.len() < max_new {
-            logits = run(
-                &[token],
-                prompt.len() + tokens.len() - 1,
-                LogitsWanted::Last,
-            )?
-            .last_logits(0)
-            .to_vec();
+        if let Some(reason) = ended {
+            break reason;
         }
-    }
+        logits = run(
+            &[token],
+            prompt.len() + tokens.len() - 1,
+            LogitsWanted::Last,
+        )?
+        .last_logits(0)
+        .to_vec();
+    };
     if !stops.is_finished() {
         let rest = stops.push(&stream.finish(vocab.tokenizer)?).text + &stops.finish();
         on_text(&rest);

@@ -1,16 +1,68 @@
-//! Stop strings over a stream of generated text.
+//! How a generation ends: the one rule `serve` and `generate` share.
 //!
-//! Owns the text between "decoded" and "safe to send": it holds back the end of the stream while
-//! that end could still grow into a stop string, and ends the stream at the first stop string to
-//! complete, cutting it and everything after it. It never emits text that could still turn out to
-//! be part of a stop string, never splits a UTF-8 character, and knows nothing of tokens (stop
-//! token ids are the engine loop's).
+//! A generation ends as [`FinishReason::Stop`] on an end-of-sequence token (unless the request
+//! ignores it), on one of its stop token ids, or when its text reaches one of its stop strings;
+//! and as [`FinishReason::Length`] when it has generated all it may. Token rules are decided
+//! where tokens are sampled ([`finish_after`]); stop strings where tokens become text
+//! ([`StopMatcher`]), which in `serve` is the HTTP layer: it tells the scheduler, which ends the
+//! request as `stop` like any other (see `actors::RequestStream::stop`).
+//!
+//! [`StopMatcher`] owns the text between "decoded" and "safe to send": it holds back the end of
+//! the stream while that end could still grow into a stop string, and ends the stream at the
+//! first stop string to complete, cutting it and everything after it. It never emits text that
+//! could still turn out to be part of a stop string, never splits a UTF-8 character, and knows
+//! nothing of tokens.
 //!
 //! "First" means first to complete when reading left to right, the only order a stream can
 //! honour; of stop strings completing at the same place, the longest is cut. Each push searches
 //! only the held-back text plus the new chunk, and the held-back text is always shorter than the
 //! longest stop string, so a push costs O(stops × (chunk + longest stop)) plus, when nothing
 //! matched, O(stops × longest stop²) to find what to hold back.
+
+use crate::sampling::SamplingParams;
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token, a stop token id or a stop string.
+    Stop,
+    /// `max_tokens` were generated, or the context is full.
+    Length,
+}
+
+impl FinishReason {
+    /// OpenAI's name for it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Whether `token` ends a generation with `params` by itself: one of its stop token ids, or
+/// the model's end of sequence unless it ignores that.
+pub fn is_stop_token(params: &SamplingParams, eos_token_ids: &[u32], token: u32) -> bool {
+    params.stop_token_ids.contains(&token) || (!params.ignore_eos && eos_token_ids.contains(&token))
+}
+
+/// Whether a generation ends with `token`, its `generated`-th token, when it may generate at
+/// most `max_new` (`max_tokens` already clipped to the room left in the context).
+pub fn finish_after(
+    params: &SamplingParams,
+    eos_token_ids: &[u32],
+    token: u32,
+    generated: usize,
+    max_new: usize,
+) -> Option<FinishReason> {
+    if is_stop_token(params, eos_token_ids, token) {
+        Some(FinishReason::Stop)
+    } else if generated >= max_new {
+        Some(FinishReason::Length)
+    } else {
+        None
+    }
+}
 
 /// Ends a stream of text at the first of a set of stop strings.
 #[derive(Debug, Clone)]
@@ -130,6 +182,43 @@ mod tests {
             text: text.to_owned(),
             matched: Some(index),
         }
+    }
+
+    #[test]
+    fn tokens_end_a_generation_by_stop_id_eos_or_length() {
+        let eos = [2];
+        let params = SamplingParams {
+            stop_token_ids: vec![7],
+            ..SamplingParams::default()
+        };
+        assert_eq!(finish_after(&params, &eos, 5, 1, 3), None);
+        assert_eq!(
+            finish_after(&params, &eos, 7, 1, 3),
+            Some(FinishReason::Stop)
+        );
+        assert_eq!(
+            finish_after(&params, &eos, 2, 1, 3),
+            Some(FinishReason::Stop)
+        );
+        assert_eq!(
+            finish_after(&params, &eos, 5, 3, 3),
+            Some(FinishReason::Length)
+        );
+        // A stop token on the last allowed token is a stop, not a length.
+        assert_eq!(
+            finish_after(&params, &eos, 7, 3, 3),
+            Some(FinishReason::Stop)
+        );
+
+        let ignoring = SamplingParams {
+            ignore_eos: true,
+            ..params
+        };
+        assert_eq!(finish_after(&ignoring, &eos, 2, 1, 3), None);
+        assert_eq!(
+            finish_after(&ignoring, &eos, 7, 1, 3),
+            Some(FinishReason::Stop)
+        );
     }
 
     #[test]

@@ -79,6 +79,9 @@ impl From<ServeError> for ApiError {
             ServeError::Overloaded { .. } => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error"),
             ServeError::Invalid(_) => (StatusCode::BAD_REQUEST, "invalid_request_error"),
             ServeError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
+            // Nobody cancels through HTTP; a client that sees this did not ask for it, and
+            // retrying is its call.
+            ServeError::Cancelled => (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
             ServeError::ContextFull { .. } => (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
             ServeError::Engine(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
         };

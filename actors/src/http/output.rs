@@ -1,6 +1,7 @@
 //! From a request's events to OpenAI's responses: tokens become text once final (never half a
-//! UTF-8 character), stop strings cut the text and cancel the request, and the end carries the
-//! finish reason and the token counts, including the prompt tokens restored from a snapshot.
+//! UTF-8 character), stop strings cut the text and end the request through the scheduler as
+//! `stop` ([`RequestStream::stop`]), and the end carries the finish reason and the token counts,
+//! including the prompt tokens restored from a snapshot.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,7 +16,7 @@ use super::Model;
 use super::error::ApiError;
 use crate::error::ServeError;
 use crate::metrics;
-use crate::request::{Event, FinishReason, RequestStream};
+use crate::request::{Event, RequestStream};
 
 /// Which endpoint's shapes to answer in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,7 +40,7 @@ struct Piece {
 
 pub struct Output {
     model: Arc<Model>,
-    /// Dropped (cancelling the request) when a stop string ends the text early.
+    /// Taken at the end; stopped when a stop string ends the text early.
     events: Option<RequestStream>,
     text: TextStream,
     stops: StopMatcher,
@@ -100,7 +101,9 @@ impl Output {
                     };
                     let out = self.stops.push(&text);
                     if out.matched.is_some() {
-                        self.events = None;
+                        if let Some(events) = self.events.take() {
+                            events.stop();
+                        }
                         metrics::request_done(self.submitted.elapsed().as_secs_f64(), "stop");
                         let usage = self.usage(self.completion_tokens, None);
                         return Piece {
@@ -124,13 +127,7 @@ impl Output {
                     let out = self.stops.push(&tail);
                     let (text, reason) = match out.matched {
                         Some(_) => (out.text, "stop"),
-                        None => {
-                            let reason = match reason {
-                                FinishReason::Stop => "stop",
-                                FinishReason::Length => "length",
-                            };
-                            (out.text + &self.stops.finish(), reason)
-                        }
+                        None => (out.text + &self.stops.finish(), reason.as_str()),
                     };
                     metrics::request_done(self.submitted.elapsed().as_secs_f64(), reason);
                     let usage = self.usage(usage.completion_tokens, Some(usage.cached_tokens));
@@ -140,9 +137,9 @@ impl Output {
                     };
                 }
                 Some(Event::Failed(error)) => return self.failed(error.into()),
-                Some(Event::Cancelled) | None => {
-                    return self.failed(ServeError::ShuttingDown.into());
-                }
+                Some(Event::Cancelled) => return self.failed(ServeError::Cancelled.into()),
+                // The scheduler went away without a word: it is shutting down.
+                None => return self.failed(ServeError::ShuttingDown.into()),
             }
         }
     }

@@ -13,7 +13,7 @@ use policy::Backoff;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ServeError;
-use crate::request::{Delivery, Event, FinishReason, RequestId, Usage};
+use crate::request::{Delivery, Event, FinishReason, RequestId, StopFlag, Usage};
 
 /// The pages a running job holds.
 #[derive(Debug)]
@@ -29,6 +29,8 @@ pub(crate) struct Slot {
 pub(crate) struct Job {
     pub id: RequestId,
     events: UnboundedSender<Delivery>,
+    /// Set by the caller whose text reached a stop string.
+    stopped: StopFlag,
     pub tokens: Vec<u32>,
     pub prompt_len: usize,
     /// Most tokens it may generate (already clipped to the model's context).
@@ -60,6 +62,7 @@ impl Job {
         max_new: usize,
         sampler: Sampler,
         events: UnboundedSender<Delivery>,
+        stopped: StopFlag,
         submitted_at: Instant,
     ) -> Self {
         let usage = Usage {
@@ -69,6 +72,7 @@ impl Job {
         Job {
             id,
             events,
+            stopped,
             prompt_len: prompt.len(),
             tokens: prompt,
             max_new,
@@ -96,9 +100,14 @@ impl Job {
         self.tokens.len() - self.computed
     }
 
-    /// Whether the caller has gone away.
+    /// Whether the caller has gone away (and with it, maybe, [`Job::stopped_by_caller`]).
     pub fn abandoned(&self) -> bool {
         self.events.is_closed()
+    }
+
+    /// Whether the caller ended the request because its text reached a stop string.
+    pub fn stopped_by_caller(&self) -> bool {
+        self.stopped.is_set()
     }
 
     pub fn ready(&self, now: Instant) -> bool {

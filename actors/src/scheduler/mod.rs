@@ -34,7 +34,7 @@ use rand_chacha::ChaCha8Rng;
 use tokio::sync::mpsc;
 
 use crate::error::ServeError;
-use crate::request::{GenerateRequest, RequestId, RequestStream};
+use crate::request::{GenerateRequest, RequestId, RequestStream, StopFlag};
 use job::Job;
 pub use step::StepOutcome;
 use step::{Draft, StoreFollowUp};
@@ -202,16 +202,18 @@ impl Scheduler {
         let max_new = request.params.max_tokens.min(room);
         let sampler = Sampler::new(&request.params, &request.prompt);
         let (events, receiver) = mpsc::unbounded_channel();
+        let stopped = StopFlag::default();
         self.queue.push_back(Job::new(
             id,
             request.prompt,
             max_new,
             sampler,
             events,
+            stopped.clone(),
             Instant::now(),
         ));
         self.stats.submitted += 1;
-        Ok(RequestStream::new(id, receiver))
+        Ok(RequestStream::new(id, receiver, stopped))
     }
 
     fn validate(&self, request: &GenerateRequest) -> Result<(), ServeError> {

@@ -16,7 +16,7 @@ use super::job::{Job, Slot};
 use crate::engine::{EngineStep, EngineStepReply, RestoreCopy, SampledTokens, SaveCopy};
 use crate::error::ServeError;
 use crate::kv_pool::{PoolOp, PoolReply};
-use crate::request::{FinishReason, is_stop_token};
+use crate::request::FinishReason;
 use crate::snapshot_store::{StoreOp, StoreReply};
 
 /// A slice of one running job's tokens to compute this step.
@@ -230,7 +230,10 @@ impl Scheduler {
             if let Some(slot) = job.slot.take() {
                 self.releases.push(slot.handle);
             }
-            if job.cut && !job.abandoned() {
+            if job.stopped_by_caller() {
+                self.stats.finished += 1;
+                job.finish(FinishReason::Stop);
+            } else if job.cut && !job.abandoned() {
                 tracing::warn!(
                     request = job.id.0,
                     "cut at shutdown after {} of at most {} tokens",
@@ -245,10 +248,20 @@ impl Scheduler {
             }
         }
         let before = self.queue.len();
-        self.queue.retain(|job| !job.abandoned());
-        let dropped = before - self.queue.len();
-        self.stats.cancelled += dropped as u64;
-        swept + dropped
+        let stats = &mut self.stats;
+        self.queue.retain(|job| {
+            if !job.abandoned() {
+                return true;
+            }
+            // A preempted job waits here with text already sent: its caller may have stopped it.
+            if job.stopped_by_caller() {
+                stats.finished += 1;
+            } else {
+                stats.cancelled += 1;
+            }
+            false
+        });
+        swept + before - self.queue.len()
     }
 
     /// One-token rows first; then prompt chunks, the fewest pending tokens first, so that a
@@ -804,16 +817,13 @@ impl Scheduler {
         }
     }
 
+    /// The shared rule ([`engine::stop::finish_after`]); `max_new` was clipped to the room
+    /// left under the sequence limit at submission.
     fn stop_reason(&self, index: usize, token: u32) -> Option<FinishReason> {
         let job = &self.running[index];
         let params = job.sampler.as_ref().expect("home after the step").params();
-        if is_stop_token(params, &self.config.eos_token_ids, token) {
-            Some(FinishReason::Stop)
-        } else if job.generated() >= job.max_new || job.tokens.len() >= self.limit.tokens {
-            Some(FinishReason::Length)
-        } else {
-            None
-        }
+        let eos = &self.config.eos_token_ids;
+        engine::stop::finish_after(params, eos, token, job.generated(), job.max_new)
     }
 
     /// Removes ended and preempted jobs from `running`, highest index first so the others

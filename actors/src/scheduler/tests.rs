@@ -192,6 +192,20 @@ fn a_dropped_stream_releases_its_pages_within_one_step() {
 }
 
 #[test]
+fn a_stream_stopped_by_its_caller_finishes_and_releases_its_pages_within_one_step() {
+    let mut h = Harness::new(16, "");
+    let mut a = h.submit(40, 100);
+    h.step();
+    h.step();
+    assert!(!tokens(&mut a).0.is_empty(), "the prompt step sampled");
+    a.stop();
+    h.step();
+    assert_eq!(h.pool.stats().used_pages, 0);
+    let stats = h.scheduler.stats();
+    assert_eq!((stats.finished, stats.cancelled), (1, 0));
+}
+
+#[test]
 fn a_multi_step_decode_runs_several_tokens_per_step_and_stops_at_max_tokens() {
     let mut h = Harness::new(64, "[admission]\ndecode_steps = 4\n");
     let mut a = h.submit(4, 10);
