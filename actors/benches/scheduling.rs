@@ -64,7 +64,13 @@ impl Backend for NullBackend {
         Ok(())
     }
     fn copy_backing(&mut self, _: BackingId, _: BackingId) -> Result<(), EngineError> {
-        Ok(())
+        Err(EngineError::ShutDown)
+    }
+    fn finished_copies(&mut self, _: bool) -> Vec<(BackingId, Result<(), EngineError>)> {
+        Vec::new()
+    }
+    fn backing_ids(&self) -> Vec<BackingId> {
+        Vec::new()
     }
     fn memory(&self) -> MemoryReport {
         MemoryReport::default()

@@ -10,6 +10,7 @@
 //! the forward pass again on the rows still going, each fed the token it just sampled, so the
 //! scheduler's overhead is paid once for all of them.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -27,6 +28,21 @@ pub struct Engine {
     /// True while the engine can run steps; cleared when it shuts down or its thread dies
     /// (a backend that panicked drops the engine while unwinding).
     alive: Arc<AtomicBool>,
+    /// Demotions whose copy is running, by their host backing.
+    demoting: HashMap<BackingId, Demotion>,
+    /// Device backings of demotions reported this step, freed once the step's restores
+    /// (which may still read them) are queued.
+    demoted_sources: Vec<BackingId>,
+}
+
+/// A demotion whose copy runs beside the steps.
+#[derive(Debug, Clone, Copy)]
+struct Demotion {
+    snapshot: SnapshotId,
+    /// The device backing: it stays allocated, and restores read it, until the copy is
+    /// reported. The store learns of the copy only through the step's reply, so no restore
+    /// planned after that reads it.
+    from: BackingId,
 }
 
 impl Engine {
@@ -35,7 +51,19 @@ impl Engine {
             backend,
             eos_token_ids,
             alive: Arc::new(AtomicBool::new(true)),
+            demoting: HashMap::new(),
+            demoted_sources: Vec::new(),
         }
+    }
+
+    /// The backings the backend holds now (tests compare them with the store's).
+    pub fn backing_ids(&self) -> Vec<BackingId> {
+        self.backend.backing_ids()
+    }
+
+    /// Demotions whose copy has not been reported yet.
+    pub fn demotions_in_flight(&self) -> usize {
+        self.demoting.len()
     }
 
     /// A flag other threads can read: whether this engine can still run steps.
@@ -172,31 +200,86 @@ impl EngineStepReply {
 }
 
 impl Engine {
-    /// Drops evicted buffers, first copying demoted ones to their host buffer.
-    fn evict(&mut self, evictions: &[Eviction]) -> Vec<(SnapshotId, bool)> {
-        let mut demotions = Vec::new();
+    /// Drops evicted buffers; a demoted one is first copied to its host buffer, a copy that
+    /// runs beside the steps and is reported by [`Engine::reap_demotions`]. A demotion that
+    /// cannot start is reported failed at once.
+    fn evict(&mut self, evictions: &[Eviction], demotions: &mut Vec<(SnapshotId, bool)>) {
         for eviction in evictions {
             if let Some(to) = eviction.demoted_to {
-                let moved = self
+                let started = self
                     .backend
                     .alloc_backing(to, Tier::Host, eviction.bytes)
                     .and_then(|()| self.backend.copy_backing(eviction.backing, to));
-                if moved.is_err() {
-                    let _ = self.backend.free_backing(to);
+                match started {
+                    Ok(()) => {
+                        let demotion = Demotion {
+                            snapshot: eviction.snapshot,
+                            from: eviction.backing,
+                        };
+                        self.demoting.insert(to, demotion);
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!("demoting {}: {e}", eviction.snapshot);
+                        let _ = self.backend.free_backing(to);
+                        demotions.push((eviction.snapshot, false));
+                    }
                 }
-                demotions.push((eviction.snapshot, moved.is_ok()));
             }
             if let Err(e) = self.backend.free_backing(eviction.backing) {
                 tracing::error!("freeing evicted {}: {e}", eviction.backing);
             }
         }
-        demotions
     }
 
-    fn save(&mut self, save: &SaveCopy) -> Result<(), String> {
-        self.backend
-            .alloc_backing(save.backing, save.tier, save.bytes)
-            .map_err(|e| e.to_string())?;
+    /// Collects the demotions whose copy ended (with `wait`, every one in flight): each is
+    /// reported in this step's reply, and its device backing freed after the step's restores.
+    fn reap_demotions(&mut self, wait: bool, demotions: &mut Vec<(SnapshotId, bool)>) {
+        if self.demoting.is_empty() {
+            return;
+        }
+        for (to, result) in self.backend.finished_copies(wait) {
+            let Some(demotion) = self.demoting.remove(&to) else {
+                tracing::error!("a copy into {to} ended that no demotion started");
+                continue;
+            };
+            if let Err(e) = &result {
+                tracing::warn!("demoting {}: {e}", demotion.snapshot);
+                if let Err(e) = self.backend.free_backing(to) {
+                    tracing::error!("freeing {to}: {e}");
+                }
+            }
+            self.demoted_sources.push(demotion.from);
+            demotions.push((demotion.snapshot, result.is_ok()));
+        }
+    }
+
+    fn free_demoted_sources(&mut self) {
+        for from in self.demoted_sources.drain(..) {
+            if let Err(e) = self.backend.free_backing(from) {
+                tracing::error!("freeing demoted {from}: {e}");
+            }
+        }
+    }
+
+    /// Fills a new snapshot. Its memory may still be held by demotions in flight (their
+    /// sources): then it waits for those copies (not for the steps) and tries again.
+    fn save(
+        &mut self,
+        save: &SaveCopy,
+        demotions: &mut Vec<(SnapshotId, bool)>,
+    ) -> Result<(), String> {
+        let mut allocated = self
+            .backend
+            .alloc_backing(save.backing, save.tier, save.bytes);
+        if matches!(allocated, Err(EngineError::OutOfMemory(_))) && !self.demoting.is_empty() {
+            self.reap_demotions(true, demotions);
+            self.free_demoted_sources();
+            allocated = self
+                .backend
+                .alloc_backing(save.backing, save.tier, save.bytes);
+        }
+        allocated.map_err(|e| e.to_string())?;
         self.backend
             .save_pages(save.backing, &save.copies)
             .map_err(|e| {
@@ -339,7 +422,9 @@ fn check_multi_step(
 impl Engine {
     /// Does a step's work in order: evictions, restores, forward pass and sampling, saves.
     pub fn run(&mut self, mut step: EngineStep) -> EngineStepReply {
-        let demotions = self.evict(&step.evictions);
+        let mut demotions = Vec::new();
+        self.reap_demotions(false, &mut demotions);
+        self.evict(&step.evictions, &mut demotions);
         let restores = step
             .restores
             .iter()
@@ -349,6 +434,8 @@ impl Engine {
                     .map_err(|e| e.to_string())
             })
             .collect();
+        // Restores planned while a snapshot was demoting are queued: its device copy may go.
+        self.free_demoted_sources();
         let mut first_step_seconds = 0.0;
         let forward = self.forward(
             &mut step.plan,
@@ -357,7 +444,11 @@ impl Engine {
             &mut first_step_seconds,
         );
         let saves = match &forward {
-            Ok(_) => step.saves.iter().map(|s| self.save(s)).collect(),
+            Ok(_) => step
+                .saves
+                .iter()
+                .map(|s| self.save(s, &mut demotions))
+                .collect(),
             Err(e) => step
                 .saves
                 .iter()
@@ -428,6 +519,12 @@ impl Backend for Stopped {
     }
     fn copy_backing(&mut self, _: BackingId, _: BackingId) -> Result<(), EngineError> {
         Err(EngineError::ShutDown)
+    }
+    fn finished_copies(&mut self, _: bool) -> Vec<(BackingId, Result<(), EngineError>)> {
+        Vec::new()
+    }
+    fn backing_ids(&self) -> Vec<BackingId> {
+        Vec::new()
     }
     fn memory(&self) -> MemoryReport {
         MemoryReport::default()

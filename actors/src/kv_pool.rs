@@ -15,6 +15,12 @@ impl KvPool {
     pub fn new(pool: PagePool) -> Self {
         KvPool { pool }
     }
+
+    /// The bookkeeping itself, for tests that check it against the scheduler.
+    #[cfg(test)]
+    pub(crate) fn inner(&self) -> &PagePool {
+        &self.pool
+    }
 }
 
 impl Actor for KvPool {

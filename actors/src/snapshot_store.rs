@@ -19,6 +19,12 @@ impl SnapshotStore {
     pub fn new(store: Store) -> Self {
         SnapshotStore { store }
     }
+
+    /// The index itself, for tests that check it against the engine.
+    #[cfg(test)]
+    pub(crate) fn inner(&self) -> &Store {
+        &self.store
+    }
 }
 
 impl Actor for SnapshotStore {

@@ -30,7 +30,8 @@ fn cuda_backend(files: &ModelFiles, pages: usize) -> CudaBackend {
     CudaBackend::load(
         files,
         &CudaOptions {
-            device_snapshot_bytes: 64 << 20,
+            // The store's default device budget: the arena is sized to it.
+            device_snapshot_bytes: 1 << 30,
             ..CudaOptions::for_tokens(pages * PAGE, 2048, 64)
         },
     )

@@ -55,7 +55,13 @@ impl Backend for PanickingBackend {
         _: cache::BackingId,
         _: cache::BackingId,
     ) -> Result<(), EngineError> {
-        Ok(())
+        Err(EngineError::ShutDown)
+    }
+    fn finished_copies(&mut self, _: bool) -> Vec<(cache::BackingId, Result<(), EngineError>)> {
+        Vec::new()
+    }
+    fn backing_ids(&self) -> Vec<cache::BackingId> {
+        Vec::new()
     }
     fn memory(&self) -> MemoryReport {
         MemoryReport::default()

@@ -256,10 +256,11 @@ impl Model {
                 !self.pins.contains_key(&eviction.snapshot),
                 "a pinned snapshot was evicted"
             );
-            self.findable.remove(&eviction.snapshot);
             if eviction.demoted_to.is_some() {
+                // Still found, and restored from its device copy, until the copy lands.
                 self.demoting.push(eviction.snapshot);
             } else {
+                self.findable.remove(&eviction.snapshot);
                 self.chains.remove(&eviction.snapshot);
             }
         }
@@ -355,9 +356,14 @@ fn apply_store_op(store: &mut SnapshotStore, model: &mut Model, op: StoreOp) {
             let id = model.demoting.swap_remove(pick % model.demoting.len());
             if commit {
                 store.commit_demotion(id).unwrap();
-                model.findable.insert(id);
             } else {
+                // The engine releases a restore's pin before it reports the demotion failed.
+                if model.pins.contains_key(&id) {
+                    model.demoting.push(id);
+                    return;
+                }
                 store.abort_demotion(id).unwrap();
+                model.findable.remove(&id);
                 model.chains.remove(&id);
             }
         }
@@ -394,7 +400,12 @@ fn apply_store_op(store: &mut SnapshotStore, model: &mut Model, op: StoreOp) {
                 return;
             };
             let result = store.discard(id);
-            if model.pins.contains_key(&id) {
+            if model.demoting.contains(&id) {
+                assert!(
+                    matches!(result, Err(CacheError::WrongState { .. })),
+                    "{result:?}"
+                );
+            } else if model.pins.contains_key(&id) {
                 assert_eq!(result, Err(CacheError::Pinned { snapshot: id }));
             } else {
                 result.unwrap();
@@ -420,10 +431,13 @@ fn check_store(store: &SnapshotStore, model: &Model) {
         let info = store.info(id).unwrap();
         charged[matches!(info.tier, Tier::Host) as usize] += info.bytes;
         assert_eq!(info.pins, model.pins.get(&id).copied().unwrap_or(0));
+        let published = matches!(info.state, SnapshotState::Ready | SnapshotState::Demoting);
+        assert_eq!(published, model.findable.contains(&id));
         assert_eq!(
-            info.state == SnapshotState::Ready,
-            model.findable.contains(&id)
+            info.state == SnapshotState::Demoting,
+            model.demoting.contains(&id)
         );
+        assert_eq!(info.demoting_from.is_some(), model.demoting.contains(&id));
     }
     for (tier, tier_charged) in [(stats.device, charged[0]), (stats.host, charged[1])] {
         assert!(
@@ -436,10 +450,10 @@ fn check_store(store: &SnapshotStore, model: &Model) {
         );
     }
     for id in model.pins.keys() {
-        assert_eq!(
-            store.info(*id).map(|info| info.state),
-            Ok(SnapshotState::Ready),
-            "pinned and present"
+        let state = store.info(*id).map(|info| info.state);
+        assert!(
+            matches!(state, Ok(SnapshotState::Ready | SnapshotState::Demoting)),
+            "pinned and present: {state:?}"
         );
     }
 }

@@ -10,6 +10,9 @@
 //! A backend also holds the bytes of snapshots: each snapshot owns one buffer (its backing),
 //! allocated on request in a tier, filled from pool pages on save and copied back into any
 //! pool pages on restore. Which backings exist and what they may cost is the store's business.
+//! Copies between backings (demotions) may run beside the steps: a backend reports each one
+//! when it has ended ([`Backend::finished_copies`]), and until then its source stays
+//! allocated and readable.
 
 use std::ops::Range;
 
@@ -219,8 +222,19 @@ pub trait Backend: Send {
     /// Copies page `snapshot_page` of the backing into pool page `pool_page`, for each copy.
     fn restore_pages(&mut self, backing: BackingId, copies: &[PageCopy]) -> Result<()>;
 
-    /// Copies one backing into another of the same size (a demotion to the host tier).
+    /// Starts copying one backing into another of the same size (a demotion to the host
+    /// tier). The copy may still run when this returns, beside later steps: `from` must stay
+    /// allocated, and `to` unread, until [`Backend::finished_copies`] reports it. An error
+    /// means the copy did not start.
     fn copy_backing(&mut self, from: BackingId, to: BackingId) -> Result<()>;
+
+    /// The copies [`Backend::copy_backing`] started that have ended since the last call, by
+    /// their target, each with its outcome. With `wait`, first waits for every started copy to
+    /// end (copies only: never for the steps). Each copy is reported exactly once.
+    fn finished_copies(&mut self, wait: bool) -> Vec<(BackingId, Result<()>)>;
+
+    /// The backings allocated now, in no particular order.
+    fn backing_ids(&self) -> Vec<BackingId>;
 
     fn memory(&self) -> MemoryReport;
 }

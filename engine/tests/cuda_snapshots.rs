@@ -97,11 +97,23 @@ fn a_restored_snapshot_is_byte_identical_and_continues_like_the_original() {
         "restored logits differ from a cold prefill"
     );
 
-    // A demotion to the host tier copies the buffer whole; restoring from there works alike.
+    // A demotion to the host tier copies the buffer whole, beside the steps, and is reported
+    // once; restoring from there works alike.
     backend
         .alloc_backing(host, Tier::Host, 3 * page_bytes)
         .unwrap();
     backend.copy_backing(saved, host).unwrap();
+    run(
+        &mut backend,
+        &prompt(6, 4 * PAGE),
+        0,
+        &pages(&[12, 14, 15, 16]),
+    );
+    let ended = backend.finished_copies(true);
+    assert_eq!(ended.len(), 1);
+    assert_eq!(ended[0].0, host);
+    assert!(ended[0].1.is_ok(), "{:?}", ended[0].1);
+    assert!(backend.finished_copies(true).is_empty(), "reported once");
     backend.free_backing(saved).unwrap();
     assert!(backend.read_backing(host).unwrap() == bytes);
     run(&mut backend, &prompt(5, 4 * PAGE), 0, &target);
@@ -156,4 +168,51 @@ fn bad_backing_requests_are_errors_not_panics() {
     assert!(err.to_string().starts_with("out of memory"), "{err}");
     backend.free_backing(BackingId(5)).unwrap();
     assert!(backend.free_backing(BackingId(5)).is_err());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_sized_arena_hands_out_its_pages_and_never_grows() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = SyntheticSpec {
+        dtype: DType::BF16,
+        ..SyntheticSpec::tiny(11)
+    };
+    synthetic::write(dir.path(), &spec).unwrap();
+    let model = ModelFiles::open(dir.path()).unwrap();
+    let geometry_probe = backend().1.info().geometry.page_bytes() as u64;
+    let options = CudaOptions {
+        // Eight pages of budget: the arena holds nine (an eighth more, for demotions).
+        device_snapshot_bytes: 8 * geometry_probe,
+        host_snapshot_bytes: 4 * geometry_probe,
+        ..CudaOptions::for_tokens(32 * PAGE, 256, 4)
+    };
+    let mut backend = CudaBackend::load(&model, &options).unwrap();
+    let page_bytes = backend.info().geometry.page_bytes() as u64;
+    assert_eq!(page_bytes, geometry_probe);
+    backend
+        .alloc_backing(BackingId(1), Tier::Device, 6 * page_bytes)
+        .unwrap();
+    backend
+        .alloc_backing(BackingId(2), Tier::Device, 3 * page_bytes)
+        .unwrap();
+    let err = backend
+        .alloc_backing(BackingId(3), Tier::Device, page_bytes)
+        .unwrap_err();
+    assert!(err.to_string().contains("0 free"), "{err}");
+    backend.free_backing(BackingId(2)).unwrap();
+    backend
+        .alloc_backing(BackingId(3), Tier::Device, 3 * page_bytes)
+        .unwrap();
+    backend
+        .alloc_backing(BackingId(4), Tier::Host, 4 * page_bytes)
+        .unwrap();
+    assert!(
+        backend
+            .alloc_backing(BackingId(5), Tier::Host, page_bytes)
+            .is_err()
+    );
+    let memory = backend.memory();
+    assert_eq!(memory.device_snapshot_bytes, 9 * page_bytes);
+    assert_eq!(memory.host_snapshot_bytes, 4 * page_bytes);
 }

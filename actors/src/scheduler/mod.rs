@@ -144,7 +144,13 @@ pub struct Scheduler {
     latency_ewma: Duration,
     /// Set by a shutdown: new requests are refused, those in flight run on.
     draining: bool,
+    /// Demotions the engine started and has not reported: until it does, steps keep coming
+    /// (empty ones when idle, every [`DEMOTION_POLL`]) so each lands in the store.
+    demotions_in_flight: usize,
 }
+
+/// How often an idle scheduler asks the engine whether its demotions have landed.
+const DEMOTION_POLL: Duration = Duration::from_millis(1);
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Self {
@@ -168,6 +174,7 @@ impl Scheduler {
             stats: SchedulerStats::default(),
             latency_ewma: Duration::from_millis(500),
             draining: false,
+            demotions_in_flight: 0,
             config,
         }
     }
@@ -300,12 +307,14 @@ impl Scheduler {
         let admissible =
             self.running.len() < self.config.max_running && self.next_admission_fits(now);
         let abandoned = self.queue.iter().any(Job::abandoned);
+        let poll = (self.demotions_in_flight > 0).then(|| now + DEMOTION_POLL);
         let wake = self
             .running
             .iter()
             .chain(&self.queue)
             .filter_map(|j| j.blocked_until)
             .filter(|&t| t > now)
+            .chain(poll)
             .min();
         (pending_work || runnable || admissible || abandoned, wake)
     }
@@ -320,5 +329,7 @@ impl Scheduler {
     }
 }
 
+#[cfg(test)]
+mod properties;
 #[cfg(test)]
 mod tests;

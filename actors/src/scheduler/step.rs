@@ -616,7 +616,8 @@ impl Scheduler {
             && step.saves.is_empty()
             && step.evictions.is_empty();
         self.draft = Some(draft);
-        (!idle).then_some(step)
+        // An empty step still collects the demotions that landed.
+        (!idle || self.demotions_in_flight > 0).then_some(step)
     }
 
     fn apply_store_reply(
@@ -663,6 +664,8 @@ impl Scheduler {
                     bytes: reservation.bytes(),
                     copies,
                 });
+                self.demotions_in_flight +=
+                    evictions.iter().filter(|e| e.demoted_to.is_some()).count();
                 step.evictions.extend(evictions);
                 draft.saves.push((index, kind, reservation));
             }
@@ -693,7 +696,7 @@ impl Scheduler {
         let did_work = draft.changes > 0 || reply.is_some();
         let mut ended: Vec<(usize, End)> = Vec::new();
         if let Some(reply) = reply {
-            if reply.forward.is_ok() {
+            if reply.forward.is_ok() && draft.sent_tokens > 0 {
                 self.step_time
                     .observe(draft.sent_tokens, reply.first_step_seconds);
             }
@@ -740,6 +743,9 @@ impl Scheduler {
                 ));
             }
         }
+        self.demotions_in_flight = self
+            .demotions_in_flight
+            .saturating_sub(reply.demotions.len());
         for (snapshot, moved) in reply.demotions {
             self.follow_ups.push(if moved {
                 StoreFollowUp::CommitDemotion(snapshot)

@@ -235,6 +235,14 @@ impl Backend for FailingBackend {
         self.inner.copy_backing(from, to)
     }
 
+    fn finished_copies(&mut self, wait: bool) -> Vec<(BackingId, Result<(), EngineError>)> {
+        self.inner.finished_copies(wait)
+    }
+
+    fn backing_ids(&self) -> Vec<BackingId> {
+        self.inner.backing_ids()
+    }
+
     fn memory(&self) -> MemoryReport {
         self.inner.memory()
     }

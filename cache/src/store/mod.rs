@@ -22,8 +22,13 @@
 //!   when snapshots hold KV only (no fixed per-sequence state), the first pages of a longer
 //!   one that shares at least one index stride ([`index::STRIDE_PAGES`] pages) with the query.
 //!
+//! - A demoting snapshot stays findable and restorable from its device copy until its host
+//!   copy lands: the engine keeps the device backing until it reports the copy, so a demotion
+//!   never makes a prefix miss.
+//!
 //! Snapshot life: `Saving` → `Ready` (↔ pinned while restoring) → evicted, or → `Demoting` (its
-//! bytes on their way from the device tier to the host tier) → `Ready` on the host tier.
+//! bytes on their way from the device tier to the host tier, restorable from the device copy)
+//! → `Ready` on the host tier.
 
 mod index;
 mod sightings;
@@ -65,6 +70,8 @@ pub struct SnapshotInfo {
     pub tier: Tier,
     pub backing: BackingId,
     pub state: SnapshotState,
+    /// While demoting: the device backing that still holds its bytes (and that restores read).
+    pub demoting_from: Option<BackingId>,
     /// Restores in flight.
     pub pins: u32,
 }
@@ -217,7 +224,11 @@ enum State {
         boundaries: Box<[PrefixHash]>,
     },
     Ready,
-    Demoting,
+    /// Charged to the host tier, its bytes still also in `from`, the device backing a restore
+    /// reads until the copy lands.
+    Demoting {
+        from: BackingId,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -235,11 +246,24 @@ struct Snapshot {
 }
 
 impl Snapshot {
+    /// Published, whether or not on its way to the host tier.
+    fn restorable(&self) -> bool {
+        matches!(self.state, State::Ready | State::Demoting { .. })
+    }
+
+    /// The backing a restore reads, and its tier.
+    fn source(&self) -> (BackingId, Tier) {
+        match self.state {
+            State::Demoting { from } => (from, Tier::Device),
+            _ => (self.backing, self.tier),
+        }
+    }
+
     fn public_state(&self) -> SnapshotState {
         match self.state {
             State::Saving { .. } => SnapshotState::Saving,
             State::Ready => SnapshotState::Ready,
-            State::Demoting => SnapshotState::Demoting,
+            State::Demoting { .. } => SnapshotState::Demoting,
         }
     }
 }
@@ -328,6 +352,22 @@ impl SnapshotStore {
     }
 
     /// The snapshot `id` in `expected` state, or why not.
+    /// Snapshot `id`, if it is published (ready or demoting).
+    fn restorable(&mut self, id: SnapshotId) -> Result<&mut Snapshot, CacheError> {
+        let snapshot = self
+            .snapshots
+            .get_mut(&id)
+            .ok_or(CacheError::UnknownSnapshot { snapshot: id })?;
+        if !snapshot.restorable() {
+            return Err(CacheError::WrongState {
+                snapshot: id,
+                expected: SnapshotState::Ready,
+                found: snapshot.public_state(),
+            });
+        }
+        Ok(snapshot)
+    }
+
     fn snapshot_in(
         &mut self,
         id: SnapshotId,
@@ -361,10 +401,15 @@ impl SnapshotStore {
             .snapshots
             .get_mut(&id)
             .expect("only stored snapshots are touched");
-        if matches!(snapshot.state, State::Ready) {
-            snapshot.last_use = now;
-            let tier = snapshot.tier;
-            self.tier_mut(tier).order.touch(&id, now);
+        match snapshot.state {
+            State::Ready => {
+                snapshot.last_use = now;
+                let tier = snapshot.tier;
+                self.tier_mut(tier).order.touch(&id, now);
+            }
+            // Joins the host tier's order with this recency when its copy lands.
+            State::Demoting { .. } => snapshot.last_use = now,
+            State::Saving { .. } => {}
         }
     }
 
@@ -484,13 +529,14 @@ impl SnapshotStore {
         }
     }
 
-    /// Moves an evicted device snapshot to the host tier, unfindable until its copy lands.
+    /// Moves an evicted device snapshot to the host tier; until its copy lands it is restored
+    /// from its device backing.
     fn demote(&mut self, id: SnapshotId) -> BackingId {
         let backing = self.new_backing();
         let snapshot = self.snapshots.get_mut(&id).expect("a victim is stored");
         snapshot.tier = Tier::Host;
-        snapshot.backing = backing;
-        snapshot.state = State::Demoting;
+        let from = mem::replace(&mut snapshot.backing, backing);
+        snapshot.state = State::Demoting { from };
         let bytes = snapshot.bytes;
         self.tier_mut(Tier::Host).charge(bytes);
         self.counters.demotions += 1;
@@ -505,7 +551,9 @@ impl SnapshotStore {
             .expect("only stored snapshots are forgotten");
         match snapshot.state {
             State::Saving { .. } => self.index.unclaim(snapshot.end),
-            State::Ready | State::Demoting => self.index.unpublish(snapshot.end, snapshot.pages),
+            State::Ready | State::Demoting { .. } => {
+                self.index.unpublish(snapshot.end, snapshot.pages)
+            }
         }
         snapshot
     }
@@ -542,6 +590,7 @@ impl SnapshotStore {
         let snapshot = self.snapshot_in(id, SnapshotState::Demoting)?;
         snapshot.state = State::Ready;
         let last_use = snapshot.last_use;
+        // Found while demoting, it was used since: its last use counts.
         self.tier_mut(Tier::Host).order.insert(id, last_use);
         Ok(())
     }
@@ -564,7 +613,7 @@ impl SnapshotStore {
         let snapshots = &self.snapshots;
         let whole = self.index.longest(chain, |id, pages| {
             let snapshot = &snapshots[&id];
-            matches!(snapshot.state, State::Ready) && snapshot.pages == pages
+            snapshot.restorable() && snapshot.pages == pages
         });
         let mut best = whole.map(|id| (id, snapshots[&id].pages));
         // A head of a snapshot with fixed per-sequence state would restore state of the
@@ -581,7 +630,7 @@ impl SnapshotStore {
             let mut head: Option<(SnapshotId, usize)> = None;
             for &id in via.iter().take(MAX_HEAD_CANDIDATES) {
                 let snapshot = &snapshots[&id];
-                if !matches!(snapshot.state, State::Ready) {
+                if !snapshot.restorable() {
                     continue;
                 }
                 let more = chain[start..]
@@ -613,7 +662,7 @@ impl SnapshotStore {
             snapshot: id,
             tokens,
             pages,
-            tier: snapshot.tier,
+            tier: snapshot.source().1,
         })
     }
 
@@ -627,7 +676,7 @@ impl SnapshotStore {
         page_table: &[PageId],
     ) -> Result<RestorePlan, CacheError> {
         let geometry = self.geometry;
-        let snapshot = self.snapshot_in(id, SnapshotState::Ready)?;
+        let snapshot = self.restorable(id)?;
         let partial = pages < snapshot.pages;
         if pages == 0 || pages > snapshot.pages || (partial && geometry.fixed_state_bytes > 0) {
             return Err(CacheError::RestoreLength {
@@ -638,7 +687,7 @@ impl SnapshotStore {
         }
         let copies = page_copies(pages, page_table)?;
         snapshot.pins += 1;
-        let (backing, tier) = (snapshot.backing, snapshot.tier);
+        let (backing, tier) = snapshot.source();
         let bytes = if partial {
             geometry.bytes_for_pages(pages)
         } else {
@@ -659,7 +708,7 @@ impl SnapshotStore {
 
     /// Unpins a snapshot pinned by `begin_restore`.
     pub fn finish_restore(&mut self, id: SnapshotId) -> Result<(), CacheError> {
-        let snapshot = self.snapshot_in(id, SnapshotState::Ready)?;
+        let snapshot = self.restorable(id)?;
         if snapshot.pins == 0 {
             return Err(CacheError::NotPinned { snapshot: id });
         }
@@ -692,6 +741,10 @@ impl SnapshotStore {
             tier: snapshot.tier,
             backing: snapshot.backing,
             state: snapshot.public_state(),
+            demoting_from: match snapshot.state {
+                State::Demoting { from } => Some(from),
+                _ => None,
+            },
             pins: snapshot.pins,
         })
     }

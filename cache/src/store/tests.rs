@@ -310,12 +310,17 @@ fn an_evicted_device_snapshot_is_demoted_when_the_host_has_room() {
         }]
     );
     assert_eq!(state(&store, a), Some(SnapshotState::Demoting));
-    assert_eq!(
-        hit(&mut store, &[1]),
-        None,
-        "not findable until its copy lands"
-    );
+    // Until the copy lands it is found, and restored from its device copy.
+    let found = store
+        .lookup_longest(&chain(&[1]))
+        .expect("found while demoting");
+    assert_eq!((found.snapshot, found.tier), (a, Tier::Device));
+    let plan = store.begin_restore(a, 1, &[PageId(0)]).unwrap();
+    assert_eq!((plan.backing, plan.tier), (BackingId(1), Tier::Device));
+    assert_eq!(store.info(a).unwrap().demoting_from, Some(BackingId(1)));
     store.commit_demotion(a).unwrap();
+    store.finish_restore(a).unwrap();
+    assert_eq!(store.info(a).unwrap().demoting_from, None);
     assert_eq!(
         store
             .lookup_longest(&chain(&[1]))

@@ -104,6 +104,8 @@ pub struct CpuBackend {
     kv: KvPages,
     /// Snapshot buffers; both tiers are host memory here.
     backings: HashMap<BackingId, (Tier, Vec<f32>)>,
+    /// Copies made (at once) and not yet reported by `finished_copies`, by their target.
+    copied: Vec<BackingId>,
     info: BackendInfo,
     inv_freq: Vec<f32>,
     pool: rayon::ThreadPool,
@@ -155,6 +157,7 @@ impl CpuBackend {
             weights: CpuWeights::load(weights, &config)?,
             kv: KvPages::new(geometry, options.num_pages),
             backings: HashMap::new(),
+            copied: Vec::new(),
             inv_freq: config.rope_inv_freq(),
             config,
             info,
@@ -276,7 +279,18 @@ impl Backend for CpuBackend {
             Err(e) => Err(e),
         };
         *self.backing(from).expect("taken from it above") = source;
+        if result.is_ok() {
+            self.copied.push(to);
+        }
         result
+    }
+
+    fn finished_copies(&mut self, _wait: bool) -> Vec<(BackingId, Result<()>)> {
+        self.copied.drain(..).map(|to| (to, Ok(()))).collect()
+    }
+
+    fn backing_ids(&self) -> Vec<BackingId> {
+        self.backings.keys().copied().collect()
     }
 
     fn memory(&self) -> MemoryReport {

@@ -226,6 +226,11 @@ impl<T> DPtr<T> {
         DPtr::new(self.addr + (elems * std::mem::size_of::<T>()) as u64)
     }
 
+    /// The address as the driver API takes it.
+    pub fn addr(self) -> CUdeviceptr {
+        self.addr
+    }
+
     /// The address as a C pointer, for library calls.
     pub fn raw(self) -> *mut c_void {
         self.addr as *mut c_void

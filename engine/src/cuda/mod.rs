@@ -54,7 +54,7 @@ use graphs::DecodeGraphs;
 use kernels::{AttnShape, Kernels};
 use memory::{MemoryPlan, PlanInputs};
 use pool::KvPool;
-use snapshots::{Backings, PoolPages};
+use snapshots::{ArenaSizes, Backings, PoolPages};
 use step_meta::{LogitSelection, MetaCapacity, PackRequest, StepLayout, StepMeta};
 use weights::{GpuWeights, WeightLayout};
 
@@ -71,8 +71,12 @@ pub struct CudaOptions {
     pub cuda_graphs: bool,
     pub page_tokens: usize,
     pub pool: PoolSize,
-    /// Device memory kept free for the device snapshot tier.
+    /// The device snapshot tier's budget; its arena, with room for demotions in flight
+    /// ([`device_arena_bytes`]), is allocated at start-up. 0: an arena that grows on demand.
     pub device_snapshot_bytes: u64,
+    /// Pinned host memory allocated at start-up for the host snapshot tier. 0: an arena that
+    /// grows on demand (nothing is pinned unless used).
+    pub host_snapshot_bytes: u64,
     /// The most tokens one step may hold.
     pub max_step_tokens: usize,
     /// The most rows (sequences) one step may hold.
@@ -99,6 +103,12 @@ impl CudaOptions {
             page_tokens: cache.page_tokens(),
             pool: cache.pool(),
             device_snapshot_bytes: snapshots.device_budget_bytes(),
+            // Snapshots reach the host tier only by demotion.
+            host_snapshot_bytes: if snapshots.demote_to_host() {
+                snapshots.host_budget_bytes()
+            } else {
+                0
+            },
             max_step_tokens: admission.step_token_budget(),
             max_rows: admission.max_running(),
             gemv_max_tokens: DEFAULT_GEMV_MAX_TOKENS,
@@ -116,6 +126,7 @@ impl CudaOptions {
             page_tokens: 16,
             pool: PoolSize::Tokens(tokens as u64),
             device_snapshot_bytes: 0,
+            host_snapshot_bytes: 0,
             max_step_tokens,
             max_rows,
             gemv_max_tokens: DEFAULT_GEMV_MAX_TOKENS,
@@ -193,7 +204,7 @@ impl CudaBackend {
             gpu_memory_fraction: options.gpu_memory_fraction,
             weights_bytes: WeightLayout::new(&config).bytes() as u64,
             workspace_bytes: (sizes.bytes(&config) + capacity.bytes()) as u64,
-            snapshot_bytes: options.device_snapshot_bytes,
+            snapshot_bytes: device_arena_bytes(options.device_snapshot_bytes),
             pool: options.pool,
             page_bytes: geometry.page_bytes() as u64,
             page_tokens: options.page_tokens,
@@ -216,7 +227,14 @@ impl CudaBackend {
             ws: Workspace::new(&device, &config, sizes)?,
             gemm: Gemm::new(&device)?,
             graphs: options.cuda_graphs.then(DecodeGraphs::default),
-            backings: Backings::new(&device),
+            backings: Backings::new(
+                &device,
+                ArenaSizes {
+                    device_bytes: device_arena_bytes(options.device_snapshot_bytes),
+                    host_bytes: options.host_snapshot_bytes,
+                },
+                geometry.page_bytes(),
+            )?,
             pool,
             weights,
             kernels,
@@ -420,6 +438,12 @@ impl CudaBackend {
     }
 }
 
+/// The device snapshot arena for a tier of `budget` bytes: an eighth more, so that the sources
+/// of demotions still copying to the host do not crowd out the saves that evicted them.
+pub fn device_arena_bytes(budget: u64) -> u64 {
+    budget + budget / 8
+}
+
 fn check_options(o: &CudaOptions) -> Result<()> {
     if o.page_tokens == 0 || o.max_step_tokens == 0 || o.max_rows == 0 {
         return Err(EngineError::InvalidStep(format!(
@@ -499,7 +523,18 @@ impl Backend for CudaBackend {
 
     fn copy_backing(&mut self, from: BackingId, to: BackingId) -> Result<()> {
         self.device.bind()?;
-        self.backings.copy_whole(from, to)
+        self.backings.start_copy(from, to)
+    }
+
+    fn finished_copies(&mut self, wait: bool) -> Vec<(BackingId, Result<()>)> {
+        if let Err(e) = self.device.bind() {
+            tracing::error!("binding the device to poll copies: {e}");
+        }
+        self.backings.finished_copies(wait)
+    }
+
+    fn backing_ids(&self) -> Vec<BackingId> {
+        self.backings.ids()
     }
 
     fn memory(&self) -> MemoryReport {

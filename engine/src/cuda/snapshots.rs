@@ -1,21 +1,39 @@
-//! Snapshot buffers of the CUDA backend: device-tier backings are plain device allocations,
-//! host-tier ones page-locked host memory mapped into the device's address space.
+//! Snapshot buffers of the CUDA backend: each tier is an arena of snapshot pages, device memory
+//! for the device tier and page-locked host memory mapped into the device's address space for
+//! the host tier, allocated once at start-up and carved into pages like the working pool.
+//!
+//! A backing is a list of arena pages, so allocating and freeing one is bookkeeping: no
+//! `cuMemAlloc`, `cuMemHostAlloc` or free on the step path, and nothing that synchronizes the
+//! device. (An arena configured empty, as in tests and benchmarks, grows a chunk on demand.)
 //!
 //! A save gathers pool pages into a backing and a restore scatters them back into any pages, by
 //! one kernel launch each, queued on the backend's stream like every step: a later step sees
 //! the copy done, and nothing waits for it on the host. A snapshot page has the CPU backend's
 //! layout (per layer, K block then V block), so its size is what the store charges
-//! (`KvGeometry::page_bytes`). Freeing a backing waits for the work queued before it.
+//! (`KvGeometry::page_bytes`).
+//!
+//! A demotion (device backing to host backing) runs on a stream of its own, after the compute
+//! stream's work queued before it (an event orders them), and is reported by
+//! [`Backings::finished_copies`] once its end event has fired; the compute stream never waits
+//! for it. Pages freed here are reused safely because every reader and writer of a page is
+//! ordered: kernels on the compute stream by the stream, a demotion by the event it waits for
+//! (everything queued before it) and by its caller, who frees its source only after the copy
+//! was reported.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use cache::{BackingId, PageCopy, Tier};
+use cudarc::driver::sys::{self, CUevent};
+use cudarc::driver::{CudaStream, DriverError, result};
 
 use super::device::{DPtr, Device, DeviceBuffer, PinnedBuffer};
 use super::kernels::{Kernels, PageCopies};
 use super::pool::KvPool;
 use crate::error::{EngineError, Result};
+
+/// Bytes of a chunk an empty arena grows by.
+const GROWTH_BYTES: usize = 64 << 20;
 
 enum Memory {
     Device(DeviceBuffer),
@@ -23,27 +41,134 @@ enum Memory {
 }
 
 impl Memory {
+    fn alloc(device: &Device, tier: Tier, bytes: usize) -> Result<Memory> {
+        let what = format!("the {} snapshot arena", tier_name(tier));
+        Ok(match tier {
+            Tier::Device => Memory::Device(DeviceBuffer::alloc(device, bytes, &what)?),
+            Tier::Host => Memory::Host(PinnedBuffer::alloc(device, bytes, &what)?),
+        })
+    }
+
     fn ptr(&self) -> DPtr<u8> {
         match self {
             Memory::Device(b) => b.ptr(),
             Memory::Host(b) => b.ptr(),
         }
     }
+}
 
-    fn bytes(&self) -> usize {
-        match self {
-            Memory::Device(b) => b.bytes(),
-            Memory::Host(b) => b.bytes(),
-        }
+fn tier_name(tier: Tier) -> &'static str {
+    match tier {
+        Tier::Device => "device",
+        Tier::Host => "host",
     }
 }
 
-/// The backings of one backend, and the device list of the copies being made.
+/// One allocation carved into pages.
+struct Chunk {
+    memory: Memory,
+    /// Pages nobody holds, taken from the end.
+    free: Vec<u32>,
+}
+
+/// The pages of one tier.
+struct Arena {
+    tier: Tier,
+    page_bytes: usize,
+    chunks: Vec<Chunk>,
+    /// Sized by configuration: it never grows, and running out is the caller's to handle.
+    fixed: bool,
+}
+
+impl Arena {
+    fn new(device: &Device, tier: Tier, bytes: u64, page_bytes: usize) -> Result<Arena> {
+        let mut arena = Arena {
+            tier,
+            page_bytes,
+            chunks: Vec::new(),
+            fixed: false,
+        };
+        let pages = usize::try_from(bytes).unwrap_or(usize::MAX) / page_bytes;
+        if pages > 0 {
+            arena.grow(device, pages)?;
+            arena.fixed = true;
+        }
+        Ok(arena)
+    }
+
+    fn grow(&mut self, device: &Device, pages: usize) -> Result<()> {
+        let pages = u32::try_from(pages)
+            .map_err(|_| EngineError::OutOfMemory(format!("{pages} snapshot pages")))?;
+        let memory = Memory::alloc(device, self.tier, pages as usize * self.page_bytes)?;
+        self.chunks.push(Chunk {
+            memory,
+            free: (0..pages).rev().collect(),
+        });
+        Ok(())
+    }
+
+    /// `pages` pages of one chunk, or `None` when no chunk has that many free.
+    fn take(&mut self, device: &Device, pages: usize) -> Result<Option<(usize, Vec<u32>)>> {
+        let found = self.chunks.iter().position(|c| c.free.len() >= pages);
+        let chunk = match found {
+            Some(chunk) => chunk,
+            None if self.fixed => return Ok(None),
+            None => {
+                self.grow(device, pages.max(GROWTH_BYTES / self.page_bytes))?;
+                self.chunks.len() - 1
+            }
+        };
+        let free = &mut self.chunks[chunk].free;
+        let taken = free.split_off(free.len() - pages);
+        Ok(Some((chunk, taken)))
+    }
+
+    fn give(&mut self, chunk: usize, pages: Vec<u32>) {
+        self.chunks[chunk].free.extend(pages);
+    }
+
+    fn free_pages(&self) -> usize {
+        self.chunks.iter().map(|c| c.free.len()).sum()
+    }
+
+    /// The address of page `page` of chunk `chunk`.
+    fn page_ptr(&self, chunk: usize, page: u32) -> DPtr<u8> {
+        self.chunks[chunk]
+            .memory
+            .ptr()
+            .offset(page as usize * self.page_bytes)
+    }
+}
+
+/// One snapshot's pages.
+struct Backing {
+    tier: Tier,
+    chunk: usize,
+    pages: Vec<u32>,
+}
+
+/// A demotion's copy on the copy stream.
+struct Copy {
+    from: BackingId,
+    to: BackingId,
+    done: CUevent,
+}
+
+/// The backings of one backend, their arenas, and the copies between them.
 pub struct Backings {
-    map: HashMap<BackingId, (Tier, Memory)>,
+    map: HashMap<BackingId, Backing>,
+    /// Device tier, host tier.
+    arenas: [Arena; 2],
     copy_list: Option<DeviceBuffer>,
+    copy_stream: Arc<CudaStream>,
+    /// Recorded on the compute stream when a demotion starts; the copy stream waits for it.
+    compute_mark: CUevent,
+    copies: Vec<Copy>,
     device: Arc<Device>,
 }
+
+// SAFETY: the events are owned here and used from whichever one thread owns the backend.
+unsafe impl Send for Backings {}
 
 /// The pool a copy goes to or comes from.
 pub struct PoolPages<'a> {
@@ -55,13 +180,43 @@ pub struct PoolPages<'a> {
     pub layers: usize,
 }
 
+/// How many bytes each arena starts with.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ArenaSizes {
+    pub device_bytes: u64,
+    pub host_bytes: u64,
+}
+
 impl Backings {
-    pub fn new(device: &Arc<Device>) -> Self {
-        Backings {
-            map: HashMap::new(),
-            copy_list: None,
-            device: device.clone(),
+    pub fn new(device: &Arc<Device>, sizes: ArenaSizes, page_bytes: usize) -> Result<Self> {
+        device.bind()?;
+        let started = std::time::Instant::now();
+        let arenas = [
+            Arena::new(device, Tier::Device, sizes.device_bytes, page_bytes)?,
+            Arena::new(device, Tier::Host, sizes.host_bytes, page_bytes)?,
+        ];
+        if sizes.host_bytes > 0 {
+            tracing::info!(
+                "pinned {:.1} GiB of host memory for the host snapshot tier in {:.1} s",
+                sizes.host_bytes as f64 / (1u64 << 30) as f64,
+                started.elapsed().as_secs_f64()
+            );
         }
+        let copy_stream = device.context().new_stream()?;
+        let compute_mark = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
+        Ok(Backings {
+            map: HashMap::new(),
+            arenas,
+            copy_list: None,
+            copy_stream,
+            compute_mark,
+            copies: Vec::new(),
+            device: device.clone(),
+        })
+    }
+
+    fn arena(&mut self, tier: Tier) -> &mut Arena {
+        &mut self.arenas[tier as usize]
     }
 
     pub fn alloc(&mut self, id: BackingId, tier: Tier, bytes: u64) -> Result<()> {
@@ -71,21 +226,35 @@ impl Backings {
                 "already allocated".into(),
             ));
         }
-        let bytes = usize::try_from(bytes)
+        let page_bytes = self.arenas[0].page_bytes as u64;
+        let pages = usize::try_from(bytes.div_ceil(page_bytes))
             .map_err(|_| EngineError::OutOfMemory(format!("{bytes} bytes")))?;
-        let what = format!("snapshot {id}");
-        let memory = match tier {
-            Tier::Device => Memory::Device(DeviceBuffer::alloc(&self.device, bytes, &what)?),
-            Tier::Host => Memory::Host(PinnedBuffer::alloc(&self.device, bytes, &what)?),
+        let device = self.device.clone();
+        let arena = self.arena(tier);
+        let Some((chunk, pages)) = arena.take(&device, pages)? else {
+            return Err(EngineError::OutOfMemory(format!(
+                "snapshot {id}: {pages} pages in the {} tier's arena, {} free",
+                tier_name(tier),
+                arena.free_pages()
+            )));
         };
-        self.map.insert(id, (tier, memory));
+        self.map.insert(id, Backing { tier, chunk, pages });
         Ok(())
     }
 
+    /// Returns a backing's pages to its arena. Kernels queued before still read or write them
+    /// in stream order; a copy still running on them is waited for first (callers free a
+    /// demotion's buffers only once it was reported, so this is a safety net).
     pub fn free(&mut self, id: BackingId) -> Result<()> {
-        let backing = self.map.remove(&id).ok_or_else(|| no_such(id))?;
-        self.device.synchronize()?;
-        drop(backing);
+        if !self.map.contains_key(&id) {
+            return Err(no_such(id));
+        }
+        if let Some(at) = self.copies.iter().position(|c| c.from == id || c.to == id) {
+            // SAFETY: an event created here and not yet destroyed.
+            unsafe { result::event::synchronize(self.copies[at].done) }?;
+        }
+        let backing = self.map.remove(&id).expect("checked above");
+        self.arena(backing.tier).give(backing.chunk, backing.pages);
         Ok(())
     }
 
@@ -98,20 +267,21 @@ impl Backings {
         copies: &[PageCopy],
         save: bool,
     ) -> Result<()> {
-        let (_, memory) = self.map.get(&id).ok_or_else(|| no_such(id))?;
-        check_copies(id, memory.bytes(), pool, copies)?;
+        let backing = self.map.get(&id).ok_or_else(|| no_such(id))?;
+        check_copies(id, backing.pages.len(), pool, copies)?;
         if copies.is_empty() {
             return Ok(());
         }
-        let snapshot = memory.ptr();
+        let arena = &self.arenas[backing.tier as usize];
+        let base = arena.page_ptr(backing.chunk, 0);
         let list: Vec<u32> = copies
             .iter()
-            .flat_map(|c| [c.snapshot_page, c.pool_page.0])
+            .flat_map(|c| [backing.pages[c.snapshot_page as usize], c.pool_page.0])
             .collect();
         let list_ptr = self.upload_list(&list)?;
         let args = PageCopies {
             pool: pool.pool.base(),
-            snapshot,
+            snapshot: base,
             copies: list_ptr,
             count: copies.len(),
             pages_total: pool.pool.pages_total(),
@@ -135,56 +305,161 @@ impl Backings {
         Ok(at)
     }
 
-    /// Copies one backing into another of the same size (a demotion) and waits for it.
-    pub fn copy_whole(&mut self, from: BackingId, to: BackingId) -> Result<()> {
-        let (_, source) = self.map.get(&from).ok_or_else(|| no_such(from))?;
-        let (_, target) = self.map.get(&to).ok_or_else(|| no_such(to))?;
-        if source.bytes() != target.bytes() {
+    /// Starts copying one backing into another of as many pages (a demotion) on the copy
+    /// stream, after everything queued on the compute stream so far. Reported by
+    /// [`Backings::finished_copies`].
+    pub fn start_copy(&mut self, from: BackingId, to: BackingId) -> Result<()> {
+        let source = self.map.get(&from).ok_or_else(|| no_such(from))?;
+        let target = self.map.get(&to).ok_or_else(|| no_such(to))?;
+        if source.pages.len() != target.pages.len() {
             return Err(EngineError::Backing(
                 to.to_string(),
                 format!(
-                    "holds {} bytes, the source {}",
-                    target.bytes(),
-                    source.bytes()
+                    "holds {} pages, the source {}",
+                    target.pages.len(),
+                    source.pages.len()
                 ),
             ));
         }
-        self.device
-            .copy_bytes(source.ptr(), target.ptr(), source.bytes())?;
-        self.device.synchronize()
+        let copy_stream = self.copy_stream.cu_stream();
+        // SAFETY: events created here; both streams belong to this backend's context.
+        unsafe {
+            result::event::record(self.compute_mark, self.device.stream().cu_stream())?;
+            result::stream::wait_event(
+                copy_stream,
+                self.compute_mark,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )?;
+        }
+        let page_bytes = self.arenas[0].page_bytes;
+        let (from_arena, to_arena) = (
+            &self.arenas[source.tier as usize],
+            &self.arenas[target.tier as usize],
+        );
+        let runs = contiguous_runs(&source.pages, &target.pages);
+        for (start, len) in runs {
+            let src = from_arena.page_ptr(source.chunk, source.pages[start]);
+            let dst = to_arena.page_ptr(target.chunk, target.pages[start]);
+            // SAFETY: both ranges lie inside their arenas' chunks (`len` pages from a page
+            // held by the backing, contiguous by construction of the run).
+            unsafe { sys::cuMemcpyAsync(dst.addr(), src.addr(), len * page_bytes, copy_stream) }
+                .result()?;
+        }
+        let done = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
+        // SAFETY: a fresh event, recorded on this backend's copy stream.
+        if let Err(e) = unsafe { result::event::record(done, copy_stream) } {
+            // The copies queued may still run: wait for them before the buffers can go.
+            let _ = self.copy_stream.synchronize();
+            // SAFETY: created above, never recorded.
+            let _ = unsafe { result::event::destroy(done) };
+            return Err(e.into());
+        }
+        self.copies.push(Copy { from, to, done });
+        Ok(())
     }
 
-    /// The bytes of a backing, once the work queued before has finished.
-    pub fn read(&self, id: BackingId) -> Result<Vec<u8>> {
-        let (_, memory) = self.map.get(&id).ok_or_else(|| no_such(id))?;
-        let mut bytes = vec![0u8; memory.bytes()];
-        self.device.download(memory.ptr(), &mut bytes)?;
+    /// The copies that have ended since the last call, by target; with `wait`, every one.
+    pub fn finished_copies(&mut self, wait: bool) -> Vec<(BackingId, Result<()>)> {
+        let mut ended = Vec::new();
+        let mut index = 0;
+        while index < self.copies.len() {
+            let done = self.copies[index].done;
+            // SAFETY: events created here and not yet destroyed.
+            let state = unsafe {
+                if wait {
+                    result::event::synchronize(done)
+                } else {
+                    result::event::query(done)
+                }
+            };
+            let outcome = match state {
+                Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => {
+                    index += 1;
+                    continue;
+                }
+                Ok(()) => Ok(()),
+                Err(e) => Err(EngineError::from(e)),
+            };
+            let copy = self.copies.swap_remove(index);
+            // SAFETY: fired (or failed); destroyed once.
+            let _ = unsafe { result::event::destroy(copy.done) };
+            ended.push((copy.to, outcome));
+        }
+        ended
+    }
+
+    /// The bytes of a backing, once the work queued before (copies included) has finished.
+    pub fn read(&mut self, id: BackingId) -> Result<Vec<u8>> {
+        self.copy_stream.synchronize()?;
+        self.device.synchronize()?;
+        let backing = self.map.get(&id).ok_or_else(|| no_such(id))?;
+        let arena = &self.arenas[backing.tier as usize];
+        let page_bytes = arena.page_bytes;
+        let mut bytes = vec![0u8; backing.pages.len() * page_bytes];
+        for (out, &page) in bytes.chunks_mut(page_bytes).zip(&backing.pages) {
+            self.device
+                .download(arena.page_ptr(backing.chunk, page), out)?;
+        }
         Ok(bytes)
     }
 
-    /// Bytes held in `tier`.
+    /// Bytes held by backings in `tier`.
     pub fn tier_bytes(&self, tier: Tier) -> u64 {
+        let page_bytes = self.arenas[0].page_bytes as u64;
         self.map
             .values()
-            .filter(|(t, _)| *t == tier)
-            .map(|(_, m)| m.bytes() as u64)
+            .filter(|b| b.tier == tier)
+            .map(|b| b.pages.len() as u64 * page_bytes)
             .sum()
     }
 
     pub fn count(&self) -> usize {
         self.map.len()
     }
+
+    pub fn ids(&self) -> Vec<BackingId> {
+        self.map.keys().copied().collect()
+    }
+}
+
+impl Drop for Backings {
+    fn drop(&mut self) {
+        // The arenas are freed next: no copy may still run on them.
+        let _ = self.device.bind();
+        let _ = self.copy_stream.synchronize();
+        for copy in self.copies.drain(..) {
+            // SAFETY: created here, destroyed once.
+            let _ = unsafe { result::event::destroy(copy.done) };
+        }
+        // SAFETY: created in `new`, destroyed once.
+        let _ = unsafe { result::event::destroy(self.compute_mark) };
+    }
+}
+
+/// Splits a page-to-page copy into runs contiguous on both sides: (first index, length).
+fn contiguous_runs(from: &[u32], to: &[u32]) -> Vec<(usize, usize)> {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for i in 0..from.len() {
+        match runs.last_mut() {
+            Some((start, len))
+                if from[*start] + *len as u32 == from[i] && to[*start] + *len as u32 == to[i] =>
+            {
+                *len += 1
+            }
+            _ => runs.push((i, 1)),
+        }
+    }
+    runs
 }
 
 fn no_such(id: BackingId) -> EngineError {
     EngineError::Backing(id.to_string(), "no such buffer".into())
 }
 
-/// Checks that every copy names a page sequences may own and a page inside the backing.
-fn check_copies(id: BackingId, bytes: usize, pool: &PoolPages, copies: &[PageCopy]) -> Result<()> {
+/// Checks that every copy names a page sequences may own and a page of the backing.
+fn check_copies(id: BackingId, pages: usize, pool: &PoolPages, copies: &[PageCopy]) -> Result<()> {
     for copy in copies {
-        let end = (copy.snapshot_page as usize + 1) * pool.page_bytes;
-        if copy.pool_page.index() >= pool.pages || end > bytes {
+        if copy.pool_page.index() >= pool.pages || copy.snapshot_page as usize >= pages {
             return Err(EngineError::Backing(
                 id.to_string(),
                 format!("copy {copy:?} is out of range"),
@@ -192,4 +467,19 @@ fn check_copies(id: BackingId, bytes: usize, pool: &PoolPages, copies: &[PageCop
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::contiguous_runs;
+
+    #[test]
+    fn copies_run_as_far_as_both_sides_are_contiguous() {
+        assert_eq!(contiguous_runs(&[], &[]), vec![]);
+        assert_eq!(contiguous_runs(&[4, 5, 6], &[9, 10, 11]), vec![(0, 3)]);
+        assert_eq!(
+            contiguous_runs(&[4, 5, 6, 2, 3], &[9, 10, 7, 8, 9]),
+            vec![(0, 2), (2, 1), (3, 2)]
+        );
+    }
 }

@@ -1,0 +1,450 @@
+//! The scheduler's invariants under random traffic, without a GPU: random sequences of
+//! submissions, cancellations, callers that go away, stop strings, failed engine steps and a
+//! pool and snapshot tiers too small for the load, under both reservation policies, driven
+//! through the real pool, store, engine actor and CPU backend. After every step:
+//!
+//! - no request has more than one terminal event, and nothing follows it;
+//! - the pool's free and used pages add up to its size, and its used pages are exactly those
+//!   of the running jobs plus the slots waiting to be released;
+//! - once the store has taken the last step's outcomes, its snapshots' backings (a demoting
+//!   snapshot's device copy included) are exactly the engine's, and none is half-saved.
+//!
+//! And once everything has ended: every request still listened to got exactly one terminal
+//! event, every submitted request was counted exactly once, no page is held, and nothing is
+//! left `Demoting`.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use cache::{BackingId, PageCopy, SnapshotState, Tier};
+use engine::EngineError;
+use engine::backend::{Backend, BackendInfo, MemoryReport, StepOutput, StepPlan};
+use engine::cpu::{CpuBackend, CpuOptions};
+use engine::model::ModelFiles;
+use engine::model::synthetic::{self, SyntheticSpec};
+use engine::sampling::{Sampler, SamplingParams};
+use policy::Policies;
+use proptest::prelude::*;
+use proptest::sample::Index;
+
+use super::{Scheduler, StepOutcome};
+use crate::engine::Engine;
+use crate::kv_pool::KvPool;
+use crate::request::{Event, GenerateRequest, RequestId, RequestStream};
+use crate::snapshot_store::SnapshotStore;
+
+/// The CPU backend, with forward passes that fail on demand (everything else untouched).
+struct Flaky {
+    inner: CpuBackend,
+    fail_next: Arc<AtomicBool>,
+}
+
+impl Flaky {
+    fn injected(&self) -> Result<(), EngineError> {
+        if self.fail_next.swap(false, Ordering::SeqCst) {
+            return Err(EngineError::InvalidStep("injected failure".into()));
+        }
+        Ok(())
+    }
+}
+
+impl Backend for Flaky {
+    fn info(&self) -> &BackendInfo {
+        self.inner.info()
+    }
+    fn step(&mut self, plan: &StepPlan) -> Result<StepOutput, EngineError> {
+        self.injected()?;
+        self.inner.step(plan)
+    }
+    fn step_and_sample(
+        &mut self,
+        plan: &StepPlan,
+        samplers: &mut [Option<&mut Sampler>],
+    ) -> Result<Vec<Option<u32>>, EngineError> {
+        self.injected()?;
+        self.inner.step_and_sample(plan, samplers)
+    }
+    fn alloc_backing(&mut self, id: BackingId, tier: Tier, bytes: u64) -> Result<(), EngineError> {
+        self.inner.alloc_backing(id, tier, bytes)
+    }
+    fn free_backing(&mut self, id: BackingId) -> Result<(), EngineError> {
+        self.inner.free_backing(id)
+    }
+    fn save_pages(&mut self, id: BackingId, copies: &[PageCopy]) -> Result<(), EngineError> {
+        self.inner.save_pages(id, copies)
+    }
+    fn restore_pages(&mut self, id: BackingId, copies: &[PageCopy]) -> Result<(), EngineError> {
+        self.inner.restore_pages(id, copies)
+    }
+    fn copy_backing(&mut self, from: BackingId, to: BackingId) -> Result<(), EngineError> {
+        self.inner.copy_backing(from, to)
+    }
+    fn finished_copies(&mut self, wait: bool) -> Vec<(BackingId, Result<(), EngineError>)> {
+        self.inner.finished_copies(wait)
+    }
+    fn backing_ids(&self) -> Vec<BackingId> {
+        self.inner.backing_ids()
+    }
+    fn memory(&self) -> MemoryReport {
+        self.inner.memory()
+    }
+}
+
+/// The shape of one run.
+#[derive(Debug, Clone)]
+struct Setup {
+    pages: usize,
+    optimistic: bool,
+    max_running: usize,
+    step_token_budget: usize,
+    decode_steps: usize,
+    device_snapshot_pages: u64,
+    host_snapshot_pages: u64,
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Submit {
+        prefix: u8,
+        suffix: u8,
+        max_tokens: u8,
+        stop_token: Option<u8>,
+    },
+    Step(u8),
+    /// Through the scheduler, by id.
+    Cancel(Index),
+    /// The caller goes away.
+    Drop(Index),
+    /// The caller's text reached a stop string.
+    Stop(Index),
+    FailNextStep,
+}
+
+fn setup() -> impl Strategy<Value = Setup> {
+    (
+        2usize..24,
+        any::<bool>(),
+        1usize..6,
+        16usize..96,
+        prop_oneof![Just(1usize), Just(3)],
+        0u64..6,
+        0u64..4,
+    )
+        .prop_map(
+            |(pages, optimistic, max_running, budget, steps, dev, host)| Setup {
+                pages,
+                optimistic,
+                max_running,
+                step_token_budget: budget,
+                decode_steps: steps,
+                device_snapshot_pages: dev,
+                host_snapshot_pages: host,
+            },
+        )
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u8..3, 0u8..40, 1u8..24, proptest::option::weighted(0.2, 3u8..200)).prop_map(
+            |(prefix, suffix, max_tokens, stop_token)| Op::Submit {
+                prefix,
+                suffix,
+                max_tokens,
+                stop_token,
+            }
+        ),
+        4 => (1u8..4).prop_map(Op::Step),
+        1 => any::<Index>().prop_map(Op::Cancel),
+        1 => any::<Index>().prop_map(Op::Drop),
+        1 => any::<Index>().prop_map(Op::Stop),
+        1 => Just(Op::FailNextStep),
+    ]
+}
+
+/// A request the test still listens to.
+struct Listener {
+    stream: RequestStream,
+    ends: usize,
+}
+
+struct World {
+    _dir: tempfile::TempDir,
+    scheduler: Scheduler,
+    pool: KvPool,
+    store: SnapshotStore,
+    engine: Engine,
+    fail_next: Arc<AtomicBool>,
+    listeners: Vec<Listener>,
+    ids: Vec<RequestId>,
+}
+
+impl World {
+    fn new(setup: &Setup) -> World {
+        let dir = tempfile::tempdir().unwrap();
+        synthetic::write(dir.path(), &SyntheticSpec::tiny(5)).unwrap();
+        let files = ModelFiles::open(dir.path()).unwrap();
+        let options = CpuOptions {
+            threads: 1,
+            page_tokens: 16,
+            num_pages: setup.pages,
+        };
+        let inner = CpuBackend::load(&files, &options).unwrap();
+        let page_bytes = inner.info().geometry.page_bytes() as u64;
+        let fail_next = Arc::new(AtomicBool::new(false));
+        let backend = Flaky {
+            inner,
+            fail_next: fail_next.clone(),
+        };
+        let toml = format!(
+            "[cache]\nreservation = \"{}\"\n\
+             [admission]\nmax_running = {}\nmax_queue = 8\nstep_token_budget = {}\n\
+             decode_steps = {}\n\
+             [snapshots]\ndevice_budget_bytes = {}\nhost_budget_bytes = {}\n\
+             demote_to_host = {}\nsave_prompts = true\nmin_save_tokens = 16\n\
+             save_after_sightings = 1\n\
+             [backoff]\nbase_ms = 1\nmax_ms = 2\nmax_attempts = 2\non_exhausted = \"preempt\"\n",
+            if setup.optimistic {
+                "optimistic"
+            } else {
+                "worst_case"
+            },
+            setup.max_running,
+            setup.step_token_budget,
+            setup.decode_steps,
+            setup.device_snapshot_pages * page_bytes,
+            setup.host_snapshot_pages * page_bytes,
+            setup.host_snapshot_pages > 0,
+        );
+        let config = crate::ServeConfig {
+            policies: Policies::from_toml(&toml).unwrap(),
+            model_id: "tiny".into(),
+            eos_token_ids: vec![1],
+            seed: 7,
+        };
+        let parts = crate::build(Box::new(backend), config).unwrap();
+        World {
+            _dir: dir,
+            scheduler: parts.scheduler,
+            pool: parts.pool,
+            store: parts.store,
+            engine: parts.engine,
+            fail_next,
+            listeners: Vec::new(),
+            ids: Vec::new(),
+        }
+    }
+
+    fn submit(&mut self, prefix: u8, suffix: u8, max_tokens: u8, stop_token: Option<u8>) {
+        let opening = (0..40u32).map(|i| 3 + (i * 7 + prefix as u32 * 53) % 190);
+        let rest = (0..suffix as u32).map(|i| 3 + (i * 13 + suffix as u32) % 190);
+        let params = SamplingParams {
+            max_tokens: max_tokens as usize,
+            stop_token_ids: stop_token.map(u32::from).into_iter().collect(),
+            ..SamplingParams::default()
+        };
+        let request = GenerateRequest {
+            prompt: opening.chain(rest).collect(),
+            params,
+        };
+        // Refusals (a full queue, a request larger than the pool) are answers, not events.
+        if let Ok(stream) = self.scheduler.submit(request) {
+            self.ids.push(stream.id);
+            self.listeners.push(Listener { stream, ends: 0 });
+        }
+    }
+
+    fn pick(&self, index: &Index) -> Option<usize> {
+        (!self.listeners.is_empty()).then(|| index.index(self.listeners.len()))
+    }
+
+    /// One step as the `Admission` actor drives it, checking the store against the engine
+    /// once the last step's outcomes are in the store.
+    fn step(&mut self) -> StepOutcome {
+        let now = Instant::now();
+        let ops = self.scheduler.begin_step(now);
+        let replies = ops.into_iter().map(|op| self.store.apply(op)).collect();
+        self.check_backings();
+        let ops = self.scheduler.plan_pool(replies);
+        let replies: Vec<_> = ops.into_iter().map(|op| self.pool.apply(op)).collect();
+        let stats = self.pool.stats();
+        let ops = self.scheduler.plan_store(replies, Some(stats), now);
+        let replies = ops.into_iter().map(|op| self.store.apply(op)).collect();
+        let step = self.scheduler.plan_engine(replies);
+        let reply = step.map(|s| self.engine.run(s));
+        let outcome = self.scheduler.finish_step(reply, Instant::now());
+        self.check_pages();
+        self.read_events();
+        outcome
+    }
+
+    /// Steps while the scheduler says one can run, waiting out back-offs, up to `max`.
+    fn run_steps(&mut self, max: usize) {
+        for _ in 0..max {
+            let outcome = self.step();
+            if outcome.ready {
+                continue;
+            }
+            match outcome.wake_at {
+                Some(at) => std::thread::sleep(at.saturating_duration_since(Instant::now())),
+                None => return,
+            }
+        }
+    }
+
+    fn check_backings(&self) {
+        let store = self.store.inner();
+        let mut held = BTreeSet::new();
+        for id in store.snapshot_ids() {
+            let info = store.info(id).unwrap();
+            assert_ne!(
+                info.state,
+                SnapshotState::Saving,
+                "{id} is still saving after its step"
+            );
+            held.insert(info.backing);
+            held.extend(info.demoting_from);
+        }
+        let engine: BTreeSet<BackingId> = self.engine.backing_ids().into_iter().collect();
+        assert_eq!(held, engine, "the store's backings and the engine's differ");
+    }
+
+    fn check_pages(&self) {
+        let stats = self.pool.stats();
+        assert_eq!(
+            stats.free_pages + stats.used_pages,
+            stats.total_pages,
+            "{stats:?}"
+        );
+        let pool = self.pool.inner();
+        let running: usize = self
+            .scheduler
+            .running
+            .iter()
+            .map(|job| {
+                let slot = job.slot.as_ref().expect("running jobs hold a slot");
+                assert_eq!(pool.page_table(slot.handle).unwrap(), slot.pages.as_slice());
+                slot.pages.len()
+            })
+            .sum();
+        let releasing: usize = self
+            .scheduler
+            .releases
+            .iter()
+            .map(|&handle| pool.page_table(handle).unwrap().len())
+            .sum();
+        assert_eq!(
+            stats.used_pages,
+            running + releasing,
+            "used pages are the running jobs' and those being released"
+        );
+    }
+
+    fn read_events(&mut self) {
+        for listener in &mut self.listeners {
+            while let Some(event) = listener.stream.try_next() {
+                assert_eq!(
+                    listener.ends, 0,
+                    "request {:?}: {event:?} after its end",
+                    listener.stream.id
+                );
+                if !matches!(event, Event::Token(_)) {
+                    listener.ends += 1;
+                }
+            }
+        }
+    }
+
+    fn apply(&mut self, op: &Op) {
+        match op {
+            Op::Submit {
+                prefix,
+                suffix,
+                max_tokens,
+                stop_token,
+            } => self.submit(*prefix, *suffix, *max_tokens, *stop_token),
+            Op::Step(n) => self.run_steps(*n as usize),
+            Op::Cancel(index) => {
+                if !self.ids.is_empty() {
+                    self.scheduler.cancel(self.ids[index.index(self.ids.len())]);
+                }
+            }
+            Op::Drop(index) => {
+                if let Some(at) = self.pick(index) {
+                    drop(self.listeners.swap_remove(at));
+                }
+            }
+            Op::Stop(index) => {
+                if let Some(at) = self.pick(index) {
+                    self.listeners.swap_remove(at).stream.stop();
+                }
+            }
+            Op::FailNextStep => self.fail_next.store(true, Ordering::SeqCst),
+        }
+    }
+
+    /// Runs until every request has ended and every demotion has landed.
+    fn drain(&mut self) {
+        self.fail_next.store(false, Ordering::SeqCst);
+        for _ in 0..2000 {
+            let stats = self.scheduler.stats();
+            if stats.queued + stats.running == 0 && self.scheduler.demotions_in_flight == 0 {
+                // One more step hands the store the outcomes of the last.
+                self.step();
+                return;
+            }
+            self.run_steps(1);
+        }
+        panic!("not drained: {:?}", self.scheduler.stats());
+    }
+
+    fn check_end(&self) {
+        for listener in &self.listeners {
+            assert_eq!(
+                listener.ends, 1,
+                "request {:?} ended {} times",
+                listener.stream.id, listener.ends
+            );
+        }
+        let stats = self.scheduler.stats();
+        assert_eq!(
+            stats.submitted,
+            stats.finished + stats.failed + stats.cancelled,
+            "every request counted once: {stats:?}"
+        );
+        assert_eq!(self.pool.stats().used_pages, 0);
+        let store = self.store.inner();
+        for id in store.snapshot_ids() {
+            assert_eq!(
+                store.info(id).unwrap().state,
+                SnapshotState::Ready,
+                "{id} is left behind"
+            );
+        }
+        self.check_backings();
+        assert_eq!(self.engine.demotions_in_flight(), 0);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 48,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn every_request_ends_once_and_every_page_and_snapshot_is_accounted_for(
+        setup in setup(),
+        ops in proptest::collection::vec(op(), 1..60),
+    ) {
+        let mut world = World::new(&setup);
+        for op in &ops {
+            world.apply(op);
+        }
+        world.drain();
+        world.read_events();
+        world.check_end();
+    }
+}
