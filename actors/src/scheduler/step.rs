@@ -88,8 +88,11 @@ pub(super) struct Draft {
     rows: Vec<Row>,
     /// How many of phase 1's store operations were follow-ups of the last step.
     follow_ups: usize,
-    /// Jobs taken from the queue to admit, with their lookup hit.
-    candidates: Vec<(Job, Option<LookupHit>)>,
+    /// Jobs taken from the queue to admit, with their lookup hit and the prompt tokens they
+    /// run in this very step (their first chunk, allocated with the slot).
+    candidates: Vec<(Job, Option<LookupHit>, usize)>,
+    /// Prompt tokens the step may still take: what admitted jobs' first chunks share.
+    prefill_left: usize,
     pool_purposes: Vec<PoolPurpose>,
     store_purposes: Vec<StorePurpose>,
     /// Running jobs whose attempts ran out: saved (if possible) and requeued this step.
@@ -123,8 +126,10 @@ impl Scheduler {
     pub fn begin_step(&mut self, now: Instant) -> Vec<StoreOp> {
         assert!(self.draft.is_none(), "one step at a time");
         let swept = self.sweep_cancelled();
+        let (rows, prefill_left) = self.plan_rows(now);
         let mut draft = Draft {
-            rows: self.plan_rows(now),
+            rows,
+            prefill_left,
             changes: swept,
             ..Draft::default()
         };
@@ -153,7 +158,7 @@ impl Scheduler {
             available -= pages;
             let pages = job.tokens.len() / self.config.page_tokens;
             ops.push(StoreOp::Lookup(job.chain(&self.hasher, pages).to_vec()));
-            draft.candidates.push((job, None));
+            draft.candidates.push((job, None, 0));
         }
         waiting.extend(self.queue.drain(..));
         self.queue = waiting;
@@ -266,8 +271,9 @@ impl Scheduler {
 
     /// One-token rows first; then prompt chunks, the fewest pending tokens first, so that a
     /// short prompt never waits behind a long one's prefill. Prompt chunks share what is left
-    /// of the step's budget ([`Scheduler::prefill_budget`]).
-    fn plan_rows(&self, now: Instant) -> Vec<Row> {
+    /// of the step's budget ([`Scheduler::prefill_budget`]); what they leave is returned, for
+    /// the first chunks of the jobs admitted this step.
+    fn plan_rows(&self, now: Instant) -> (Vec<Row>, usize) {
         let mut rows = Vec::new();
         let ready = |job: &Job| job.ready(now) && job.pending() > 0;
         let mut decode_budget = self.config.step_token_budget;
@@ -303,7 +309,7 @@ impl Scheduler {
             });
             budget -= n;
         }
-        rows
+        (rows, budget)
     }
 
     /// Prompt tokens a step with `decode_rows` one-token rows may add: what the step's
@@ -356,9 +362,14 @@ impl Scheduler {
                 draft.pool_purposes.push(PoolPurpose::Extend(r));
             }
         }
-        for (c, ((job, hit), found)) in draft.candidates.iter_mut().zip(hits).enumerate() {
+        for (c, ((job, hit, first), found)) in draft.candidates.iter_mut().zip(hits).enumerate() {
             *hit = found;
-            let initial_tokens = found.map_or(0, |h| h.tokens);
+            // The new slot comes with the restored prefix and the first chunk after it, which
+            // runs in this step: a short request's first token needs no step of its own.
+            let restored = found.map_or(0, |h| h.tokens);
+            *first = (job.tokens.len() - resume_at(job, restored)).min(draft.prefill_left);
+            draft.prefill_left -= *first;
+            let initial_tokens = initial_tokens(job, restored, *first);
             ops.push(PoolOp::Admit {
                 prompt_tokens: job.tokens.len(),
                 max_new_tokens: job.max_new - job.generated(),
@@ -387,7 +398,7 @@ impl Scheduler {
         let mut admitted = Vec::new();
         let mut refused = Vec::new();
         let candidates = std::mem::take(&mut draft.candidates);
-        let mut candidates: Vec<Option<(Job, Option<LookupHit>)>> =
+        let mut candidates: Vec<Option<(Job, Option<LookupHit>, usize)>> =
             candidates.into_iter().map(Some).collect();
         for (purpose, reply) in purposes.into_iter().zip(replies) {
             match (purpose, reply) {
@@ -400,19 +411,19 @@ impl Scheduler {
                     self.apply_extend(&mut draft, r, result, now)
                 }
                 (PoolPurpose::Admit(c), PoolReply::Admitted(result)) => {
-                    let (job, hit) = candidates[c]
+                    let (job, hit, first) = candidates[c]
                         .take()
                         .expect("each candidate is admitted once");
                     match result {
-                        Ok((handle, pages)) => admitted.push((
-                            job,
-                            hit,
-                            Slot {
+                        Ok((handle, pages)) => {
+                            let restored = hit.map_or(0, |h| h.tokens);
+                            let slot = Slot {
                                 handle,
-                                held_tokens: hit.map_or(0, |h| h.tokens),
+                                held_tokens: initial_tokens(&job, restored, first),
                                 pages,
-                            },
-                        )),
+                            };
+                            admitted.push((job, hit, first, slot));
+                        }
                         Err(CacheError::LargerThanPool {
                             needed_pages,
                             total_pages,
@@ -432,8 +443,8 @@ impl Scheduler {
             self.queue.push_front(job);
         }
         let mut ops: Vec<StoreOp> = Vec::new();
-        for (job, hit, slot) in admitted {
-            self.admit(job, hit, slot, &mut draft, &mut ops);
+        for (job, hit, first, slot) in admitted {
+            self.admit(job, hit, first, slot, &mut draft, &mut ops);
         }
         self.plan_saves(&mut draft, &mut ops);
         draft.changes += ops.len();
@@ -496,18 +507,20 @@ impl Scheduler {
         }
     }
 
-    /// A job that got a slot: running from now on, restoring its prefix first if one was found.
+    /// A job that got a slot: running from now on, restoring its prefix first if one was
+    /// found, and running its first `first` prompt tokens after it in this step (the engine
+    /// restores before the forward pass).
     fn admit(
         &mut self,
         mut job: Job,
         hit: Option<LookupHit>,
+        first: usize,
         slot: Slot,
         draft: &mut Draft,
         ops: &mut Vec<StoreOp>,
     ) {
         if let Some(hit) = hit {
-            // A snapshot covering every token still leaves the last one to run, for its logits.
-            job.computed = hit.tokens.min(job.tokens.len() - 1);
+            job.computed = resume_at(&job, hit.tokens);
             job.restoring = Some(hit.snapshot);
             ops.push(StoreOp::BeginRestore {
                 snapshot: hit.snapshot,
@@ -517,6 +530,15 @@ impl Scheduler {
             draft
                 .store_purposes
                 .push(StorePurpose::Restore(self.running.len()));
+        }
+        if first > 0 {
+            draft.rows.push(Row {
+                job: self.running.len(),
+                start: job.computed,
+                end: job.computed + first,
+                steps: 1,
+                live: true,
+            });
         }
         job.slot = Some(slot);
         job.blocked_until = None;
@@ -642,6 +664,10 @@ impl Scheduler {
                 let job = &mut self.running[index];
                 job.restoring = None;
                 job.computed = 0;
+                // Its first chunk started after the prefix that is not coming: next step.
+                for row in draft.rows.iter_mut().filter(|row| row.job == index) {
+                    row.live = false;
+                }
             }
             (
                 StorePurpose::Save(index, kind),
@@ -884,6 +910,17 @@ impl Scheduler {
         self.stats.failed += 1;
         job.fail(error);
     }
+}
+
+/// Where a job admitted with `restored` tokens from a snapshot resumes: after them, but a
+/// snapshot covering every token still leaves the last one to run, for its logits.
+fn resume_at(job: &Job, restored: usize) -> usize {
+    restored.min(job.tokens.len() - 1)
+}
+
+/// Positions a new slot is allocated with: the restored prefix and the first chunk after it.
+fn initial_tokens(job: &Job, restored: usize, first: usize) -> usize {
+    restored.max(resume_at(job, restored) + first)
 }
 
 /// How a running job ends this step.

@@ -124,21 +124,19 @@ fn tokens(stream: &mut RequestStream) -> (Vec<u32>, Option<Event>) {
 fn decode_rows_come_first_and_prompts_fill_the_budget_in_chunks() {
     let mut h = Harness::new(64, "[admission]\nmax_running = 2\nstep_token_budget = 10\n");
     let mut a = h.submit(4, 5);
-    assert_eq!(h.step(), vec![], "the first step admits");
-    assert_eq!(h.step(), vec![(0, 4)], "a's prompt");
+    assert_eq!(h.step(), vec![(0, 4)], "a is admitted and runs its prompt in one step");
     let mut b = h.submit(30, 2);
-    assert_eq!(h.step(), vec![(4, 1)], "b is admitted while a decodes");
     assert_eq!(
         h.step(),
-        vec![(5, 1), (0, 9)],
-        "a's decode row first, then 9 of b's prompt"
+        vec![(4, 1), (0, 9)],
+        "a's decode row first; b is admitted with 9 of its prompt"
     );
-    assert_eq!(h.step(), vec![(6, 1), (9, 9)]);
-    assert_eq!(h.step(), vec![(7, 1), (18, 9)], "a's fifth token");
+    assert_eq!(h.step(), vec![(5, 1), (9, 9)]);
+    assert_eq!(h.step(), vec![(6, 1), (18, 9)]);
     assert_eq!(
         h.step(),
-        vec![(27, 3)],
-        "a finished; the rest of b's prompt, and its first token"
+        vec![(7, 1), (27, 3)],
+        "a's fifth token; the rest of b's prompt, and its first token"
     );
     assert_eq!(h.step(), vec![(30, 1)]);
     assert_eq!(
@@ -149,6 +147,18 @@ fn decode_rows_come_first_and_prompts_fill_the_budget_in_chunks() {
     assert_eq!(tokens(&mut a).0.len(), 5);
     assert!(matches!(tokens(&mut b), (t, Some(Event::Finished { .. })) if t.len() == 2));
     assert_eq!(h.pool.stats().free_pages, 64);
+}
+
+#[test]
+fn a_one_token_request_is_answered_by_one_step() {
+    let mut h = Harness::new(8, "");
+    let mut a = h.submit(1, 1);
+    assert_eq!(h.step(), vec![(0, 1)], "admitted and run in the same step");
+    let (got, end) = tokens(&mut a);
+    assert_eq!(got.len(), 1);
+    assert!(matches!(end, Some(Event::Finished { .. })), "{end:?}");
+    assert_eq!(h.step(), vec![], "the next step only releases its page");
+    assert_eq!(h.pool.stats().used_pages, 0);
 }
 
 #[test]
@@ -163,7 +173,12 @@ fn worst_case_admission_waits_for_the_whole_reservation() {
         (1, 1),
         "a reserves 3 of 4 pages; b needs 3"
     );
-    assert_eq!(h.pool.stats().reserved_pages, 3);
+    let pool = h.pool.stats();
+    assert_eq!(
+        (pool.used_pages, pool.reserved_pages),
+        (2, 1),
+        "a's prompt holds 2 of its pages, the third stays promised"
+    );
 }
 
 #[test]
@@ -209,7 +224,6 @@ fn a_stream_stopped_by_its_caller_finishes_and_releases_its_pages_within_one_ste
 fn a_multi_step_decode_runs_several_tokens_per_step_and_stops_at_max_tokens() {
     let mut h = Harness::new(64, "[admission]\ndecode_steps = 4\n");
     let mut a = h.submit(4, 10);
-    h.step();
     assert_eq!(h.step(), vec![(0, 4)], "the prompt, and the first token");
     assert_eq!(tokens(&mut a).0.len(), 1);
     assert_eq!(h.step(), vec![(4, 1)], "one row, fed back by the engine");
@@ -232,7 +246,6 @@ fn a_multi_step_decode_waits_while_requests_queue() {
     );
     let mut a = h.submit(4, 20);
     let _b = h.submit(4, 20);
-    h.step();
     h.step();
     assert_eq!(tokens(&mut a).0.len(), 1);
     h.step();
@@ -350,7 +363,6 @@ fn a_request_that_could_never_fit_the_pool_is_refused_at_once() {
 fn a_short_prompt_goes_before_a_long_prompts_remaining_chunks() {
     let mut h = Harness::new(64, "[admission]\nmax_running = 4\nstep_token_budget = 16\n");
     let _long = h.submit(100, 2);
-    h.step();
     assert_eq!(h.step(), vec![(0, 16)]);
     let _short = h.submit(5, 2);
     assert_eq!(h.step(), vec![(16, 16)], "the short one is admitted");
