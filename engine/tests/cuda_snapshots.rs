@@ -188,6 +188,7 @@ fn a_sized_arena_hands_out_its_pages_and_never_grows() {
         ..CudaOptions::for_tokens(32 * PAGE, 256, 4)
     };
     let mut backend = CudaBackend::load(&model, &options).unwrap();
+    backend.wait_for_snapshot_arenas();
     let page_bytes = backend.info().geometry.page_bytes() as u64;
     assert_eq!(page_bytes, geometry_probe);
     backend

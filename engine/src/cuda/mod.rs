@@ -260,6 +260,12 @@ impl CudaBackend {
         &self.device
     }
 
+    /// Waits until the snapshot tiers' memory is allocated: the host tier's is pinned in the
+    /// background after start-up (tests that need it at once).
+    pub fn wait_for_snapshot_arenas(&mut self) {
+        self.backings.wait_until_allocated();
+    }
+
     /// A snapshot buffer's bytes, after the work queued before this call (checksums, tests).
     pub fn read_backing(&mut self, backing: BackingId) -> Result<Vec<u8>> {
         self.device.bind()?;

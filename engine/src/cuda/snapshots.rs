@@ -5,6 +5,9 @@
 //! A backing is a list of arena pages, so allocating and freeing one is bookkeeping: no
 //! `cuMemAlloc`, `cuMemHostAlloc` or free on the step path, and nothing that synchronizes the
 //! device. (An arena configured empty, as in tests and benchmarks, grows a chunk on demand.)
+//! Pinning a host arena of tens of GiB takes seconds, so it is done on a thread of its own
+//! while the server starts; until it is ready the host tier has no room, and a demotion
+//! drops its snapshot as it would with the host tier full.
 //!
 //! A save gathers pool pages into a backing and a restore scatters them back into any pages, by
 //! one kernel launch each, queued on the backend's stream like every step: a later step sees
@@ -22,6 +25,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::thread::JoinHandle;
 
 use cache::{BackingId, PageCopy, Tier};
 use cudarc::driver::sys::{self, CUevent};
@@ -55,6 +59,13 @@ impl Memory {
             Memory::Host(b) => b.ptr(),
         }
     }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Memory::Device(b) => b.bytes(),
+            Memory::Host(b) => b.bytes(),
+        }
+    }
 }
 
 fn tier_name(tier: Tier) -> &'static str {
@@ -78,22 +89,79 @@ struct Arena {
     chunks: Vec<Chunk>,
     /// Sized by configuration: it never grows, and running out is the caller's to handle.
     fixed: bool,
+    /// Its memory, while a thread of its own still allocates it.
+    pending: Option<JoinHandle<Result<Memory>>>,
 }
 
 impl Arena {
-    fn new(device: &Device, tier: Tier, bytes: u64, page_bytes: usize) -> Result<Arena> {
+    /// An arena of `bytes`, allocated now, or on a thread of its own with `in_background`.
+    fn new(
+        device: &Arc<Device>,
+        tier: Tier,
+        bytes: u64,
+        page_bytes: usize,
+        in_background: bool,
+    ) -> Result<Arena> {
         let mut arena = Arena {
             tier,
             page_bytes,
             chunks: Vec::new(),
             fixed: false,
+            pending: None,
         };
         let pages = usize::try_from(bytes).unwrap_or(usize::MAX) / page_bytes;
-        if pages > 0 {
-            arena.grow(device, pages)?;
-            arena.fixed = true;
+        if pages == 0 {
+            return Ok(arena);
         }
+        arena.fixed = true;
+        if !in_background {
+            arena.grow(device, pages)?;
+            return Ok(arena);
+        }
+        let device = device.clone();
+        let bytes = pages * page_bytes;
+        let pin = move || {
+            device.bind()?;
+            let started = std::time::Instant::now();
+            let memory = Memory::alloc(&device, tier, bytes)?;
+            tracing::info!(
+                "pinned {:.1} GiB of host memory for the host snapshot tier in {:.1} s",
+                bytes as f64 / (1u64 << 30) as f64,
+                started.elapsed().as_secs_f64()
+            );
+            Ok(memory)
+        };
+        let thread = std::thread::Builder::new().name("snapserve-pin".into());
+        arena.pending = Some(thread.spawn(pin).map_err(|e| {
+            EngineError::OutOfMemory(format!("starting the thread that pins host memory: {e}"))
+        })?);
         Ok(arena)
+    }
+
+    /// Takes in the memory the background thread allocated, once it has.
+    fn adopt_pending(&mut self) {
+        if !self.pending.as_ref().is_some_and(JoinHandle::is_finished) {
+            return;
+        }
+        let joined = self.pending.take().expect("checked above").join();
+        match joined {
+            Ok(Ok(memory)) => {
+                let pages = (0..self.chunk_pages(&memory) as u32).rev().collect();
+                self.chunks.push(Chunk {
+                    memory,
+                    free: pages,
+                });
+            }
+            Ok(Err(e)) => tracing::error!(
+                "the {} snapshot tier has no memory, its snapshots are dropped instead: {e}",
+                tier_name(self.tier)
+            ),
+            Err(_) => tracing::error!("the thread pinning host memory panicked"),
+        }
+    }
+
+    fn chunk_pages(&self, memory: &Memory) -> usize {
+        memory.bytes() / self.page_bytes
     }
 
     fn grow(&mut self, device: &Device, pages: usize) -> Result<()> {
@@ -109,6 +177,7 @@ impl Arena {
 
     /// `pages` pages of one chunk, or `None` when no chunk has that many free.
     fn take(&mut self, device: &Device, pages: usize) -> Result<Option<(usize, Vec<u32>)>> {
+        self.adopt_pending();
         let found = self.chunks.iter().position(|c| c.free.len() >= pages);
         let chunk = match found {
             Some(chunk) => chunk,
@@ -190,18 +259,10 @@ pub struct ArenaSizes {
 impl Backings {
     pub fn new(device: &Arc<Device>, sizes: ArenaSizes, page_bytes: usize) -> Result<Self> {
         device.bind()?;
-        let started = std::time::Instant::now();
         let arenas = [
-            Arena::new(device, Tier::Device, sizes.device_bytes, page_bytes)?,
-            Arena::new(device, Tier::Host, sizes.host_bytes, page_bytes)?,
+            Arena::new(device, Tier::Device, sizes.device_bytes, page_bytes, false)?,
+            Arena::new(device, Tier::Host, sizes.host_bytes, page_bytes, true)?,
         ];
-        if sizes.host_bytes > 0 {
-            tracing::info!(
-                "pinned {:.1} GiB of host memory for the host snapshot tier in {:.1} s",
-                sizes.host_bytes as f64 / (1u64 << 30) as f64,
-                started.elapsed().as_secs_f64()
-            );
-        }
         let copy_stream = device.context().new_stream()?;
         let compute_mark = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
         Ok(Backings {
@@ -213,6 +274,18 @@ impl Backings {
             copies: Vec::new(),
             device: device.clone(),
         })
+    }
+
+    /// Waits until every arena's memory is there (the host's may still be being pinned).
+    pub fn wait_until_allocated(&mut self) {
+        for arena in &mut self.arenas {
+            if let Some(pending) = &arena.pending {
+                while !pending.is_finished() {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+            }
+            arena.adopt_pending();
+        }
     }
 
     fn arena(&mut self, tier: Tier) -> &mut Arena {
@@ -232,8 +305,13 @@ impl Backings {
         let device = self.device.clone();
         let arena = self.arena(tier);
         let Some((chunk, pages)) = arena.take(&device, pages)? else {
+            let pinning = if arena.pending.is_some() {
+                " (its memory is still being pinned)"
+            } else {
+                ""
+            };
             return Err(EngineError::OutOfMemory(format!(
-                "snapshot {id}: {pages} pages in the {} tier's arena, {} free",
+                "snapshot {id}: {pages} pages in the {} tier's arena, {} free{pinning}",
                 tier_name(tier),
                 arena.free_pages()
             )));
