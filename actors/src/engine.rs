@@ -21,6 +21,10 @@ use engine::backend::{Backend, BackendInfo, MemoryReport, RowPlan, StepOutput, S
 use engine::sampling::Sampler;
 use engine::stop::is_stop_token;
 
+pub use crate::exchange::{
+    EngineStep, EngineStepReply, RestoreCopy, SampledTokens, SaveCopy, StepShape,
+};
+
 pub struct Engine {
     backend: Box<dyn Backend>,
     /// The model's end-of-sequence tokens: a row of a multi-step decode stops after one.
@@ -80,123 +84,6 @@ impl Drop for Engine {
 
 impl Actor for Engine {
     type Context = SyncContext<Self>;
-}
-
-/// A snapshot to fill: allocate `backing` and copy pool pages into it.
-#[derive(Debug)]
-pub struct SaveCopy {
-    pub backing: BackingId,
-    pub tier: Tier,
-    pub bytes: u64,
-    pub copies: Vec<PageCopy>,
-}
-
-/// A snapshot to copy into pool pages before the forward pass.
-#[derive(Debug)]
-pub struct RestoreCopy {
-    pub backing: BackingId,
-    pub copies: Vec<PageCopy>,
-}
-
-/// Everything the backend does for one scheduler step.
-#[derive(Message)]
-#[rtype(result = "EngineStepReply")]
-pub struct EngineStep {
-    pub evictions: Vec<Eviction>,
-    pub restores: Vec<RestoreCopy>,
-    pub plan: StepPlan,
-    /// One per plan row: rows with a sampler get their next token.
-    pub samplers: Vec<Option<Box<Sampler>>>,
-    /// Empty for one step. Otherwise one per plan row, every row one token with a sampler:
-    /// row `i` runs up to `row_steps[i]` decode steps, each fed the token the one before
-    /// sampled, and stops early after a stop token of its sampler or the model's.
-    pub row_steps: Vec<usize>,
-    pub saves: Vec<SaveCopy>,
-}
-
-/// The tokens each plan row sampled, in order.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct SampledTokens {
-    /// Room per row: the most steps any row ran.
-    stride: usize,
-    /// Row `i`'s tokens are `tokens[i * stride..][..counts[i]]`.
-    tokens: Vec<u32>,
-    counts: Vec<usize>,
-}
-
-impl SampledTokens {
-    fn new(rows: usize, stride: usize) -> Self {
-        SampledTokens {
-            stride,
-            tokens: vec![0; rows * stride],
-            counts: vec![0; rows],
-        }
-    }
-
-    /// The tokens row `i` sampled, first to last.
-    pub fn row(&self, i: usize) -> &[u32] {
-        &self.tokens[i * self.stride..][..self.counts[i]]
-    }
-
-    pub fn rows(&self) -> usize {
-        self.counts.len()
-    }
-
-    fn push(&mut self, i: usize, token: u32) {
-        self.tokens[i * self.stride + self.counts[i]] = token;
-        self.counts[i] += 1;
-    }
-
-    fn last(&self, i: usize) -> Option<u32> {
-        self.row(i).last().copied()
-    }
-}
-
-pub struct EngineStepReply {
-    /// Evictions that were demotions, and whether the copy to the host tier worked.
-    pub demotions: Vec<(SnapshotId, bool)>,
-    pub restores: Vec<Result<(), String>>,
-    /// The tokens each row sampled, or why the forward pass failed.
-    pub forward: Result<SampledTokens, String>,
-    /// Seconds the forward pass's first step took, sampling included (0 without rows).
-    pub first_step_seconds: f64,
-    /// The samplers, handed back in row order.
-    pub samplers: Vec<Option<Box<Sampler>>>,
-    pub saves: Vec<Result<(), String>>,
-    /// The plan, handed back so its buffers are refilled next step rather than reallocated.
-    pub plan: StepPlan,
-}
-
-/// How many outcomes of each kind a step's reply carries.
-#[derive(Debug, Clone, Copy)]
-pub struct StepShape {
-    restores: usize,
-    rows: usize,
-    saves: usize,
-}
-
-impl EngineStepReply {
-    pub fn shape_of(step: &EngineStep) -> StepShape {
-        StepShape {
-            restores: step.restores.len(),
-            rows: step.plan.rows.len(),
-            saves: step.saves.len(),
-        }
-    }
-
-    /// The reply of a step that never ran because the engine thread is gone: everything in
-    /// it failed. (Demotions it carried stay `Demoting` in the store; nothing serves then.)
-    pub fn failed(shape: StepShape, reason: &str) -> Self {
-        EngineStepReply {
-            demotions: Vec::new(),
-            restores: vec![Err(reason.to_string()); shape.restores],
-            forward: Err(reason.to_string()),
-            first_step_seconds: 0.0,
-            samplers: (0..shape.rows).map(|_| None).collect(),
-            saves: vec![Err(reason.to_string()); shape.saves],
-            plan: StepPlan::default(),
-        }
-    }
 }
 
 impl Engine {
@@ -465,6 +352,10 @@ impl Engine {
             plan: step.plan,
         }
     }
+}
+
+impl Message for EngineStep {
+    type Result = EngineStepReply;
 }
 
 impl Handler<EngineStep> for Engine {

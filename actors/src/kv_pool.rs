@@ -7,6 +7,8 @@
 use actix::{Actor, Context, Handler, Message, MessageResult};
 use cache::{CacheError, PageId, PagePool, PoolStats, SlotHandle};
 
+pub use crate::exchange::{PoolOp, PoolReply};
+
 pub struct KvPool {
     pool: PagePool,
 }
@@ -25,33 +27,6 @@ impl KvPool {
 
 impl Actor for KvPool {
     type Context = Context<Self>;
-}
-
-/// One change to the pool.
-#[derive(Debug, Clone, PartialEq)]
-pub enum PoolOp {
-    Release(SlotHandle),
-    /// Opens a slot and allocates its first `initial_tokens` positions (a restored prefix).
-    Admit {
-        prompt_tokens: usize,
-        max_new_tokens: usize,
-        initial_tokens: usize,
-    },
-    /// Grows a sequence by `tokens` positions.
-    Extend {
-        handle: SlotHandle,
-        tokens: usize,
-    },
-}
-
-/// The answer to one [`PoolOp`], in the same position.
-#[derive(Debug, Clone, PartialEq)]
-pub enum PoolReply {
-    Released(Result<usize, CacheError>),
-    /// The new slot and its page table.
-    Admitted(Result<(SlotHandle, Vec<PageId>), CacheError>),
-    /// The pages added, in order.
-    Extended(Result<Vec<PageId>, CacheError>),
 }
 
 /// A step's pool changes, applied in order.

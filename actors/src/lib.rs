@@ -9,7 +9,7 @@
 //! - [`admission`], [`engine`], [`kv_pool`], [`snapshot_store`]: one file per actor, with its
 //!   messages.
 //! - [`scheduler`]: the scheduling state machine the `Admission` actor drives, pure and tested
-//!   without a runtime.
+//!   without a runtime; [`exchange`]: what it exchanges with the other actors each step.
 //! - [`request`], [`error`]: what callers send and receive.
 //! - [`http`]: the OpenAI-compatible HTTP API over [`Handles`]; [`metrics`]: its Prometheus
 //!   metrics; [`loadtest`]: the client side, for `snapserve loadtest`.
@@ -17,6 +17,7 @@
 pub mod admission;
 pub mod engine;
 pub mod error;
+pub mod exchange;
 pub mod http;
 pub mod kv_pool;
 pub mod loadtest;

@@ -6,10 +6,9 @@
 //! request.
 
 use actix::{Actor, Context, Handler, Message, MessageResult};
-use cache::{
-    CacheError, LookupHit, PageId, PrefixHash, RestorePlan, SaveReservation, SaveStart, SnapshotId,
-    SnapshotStore as Store, StoreStats, Tier,
-};
+use cache::{SnapshotStore as Store, StoreStats};
+
+pub use crate::exchange::{StoreOp, StoreReply};
 
 pub struct SnapshotStore {
     store: Store,
@@ -29,44 +28,6 @@ impl SnapshotStore {
 
 impl Actor for SnapshotStore {
     type Context = Context<Self>;
-}
-
-/// One request to the store.
-#[derive(Debug, PartialEq)]
-pub enum StoreOp {
-    /// The longest stored prefix of a chain.
-    Lookup(Vec<PrefixHash>),
-    /// Pins a snapshot and plans the copy of its first `pages` pages (a lookup hit's) into the
-    /// head of `page_table`.
-    BeginRestore {
-        snapshot: SnapshotId,
-        pages: usize,
-        page_table: Vec<PageId>,
-    },
-    FinishRestore(SnapshotId),
-    /// Charges a snapshot of `chain` in `tier`, evicting as needed.
-    BeginSave {
-        chain: Vec<PrefixHash>,
-        tier: Tier,
-    },
-    /// The same for a prompt, of as much of `chain` as the save policy's sightings allow.
-    BeginPromptSave {
-        chain: Vec<PrefixHash>,
-        tier: Tier,
-    },
-    CommitSave(SaveReservation),
-    AbortSave(SaveReservation),
-    CommitDemotion(SnapshotId),
-    AbortDemotion(SnapshotId),
-}
-
-/// The answer to one [`StoreOp`], in the same position.
-#[derive(Debug, PartialEq)]
-pub enum StoreReply {
-    Lookup(Option<LookupHit>),
-    Restore(Result<RestorePlan, CacheError>),
-    Save(Result<SaveStart, CacheError>),
-    Done(Result<(), CacheError>),
 }
 
 #[derive(Debug, Message)]

@@ -6,13 +6,14 @@
 //! rows first so long prompts never starve decodes, and samples for every row that reaches
 //! its job's end.
 //!
-//! Pure state: no actix, no I/O, no clock of its own (callers pass `now`). The `Admission`
-//! actor drives each step through the other actors, one exchange per phase:
+//! Pure state: no actix, no I/O, no clock of its own (callers pass `now`); what it exchanges
+//! with the actors is [`crate::exchange`]'s plain data. The `Admission` actor drives each step
+//! through the other actors, one exchange per phase:
 //!
 //! 1. [`Scheduler::begin_step`]: sweeps cancelled jobs, plans rows, and returns the snapshot
 //!    lookups of the jobs that may be admitted;
 //! 2. [`Scheduler::plan_pool`]: with the lookups' hits, the pool changes (releases, admissions
-//!    with their restored prefix, extensions for the rows);
+//!    with their restored prefix and first prompt chunk, extensions for the rows);
 //! 3. [`Scheduler::plan_store`]: with the pool's answers, the store changes (pins for restores,
 //!    charges for saves, commits of the last step's copies); a job the pool refused backs off
 //!    alone, and is preempted or failed when its attempts run out;

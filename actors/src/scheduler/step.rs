@@ -13,11 +13,12 @@ use policy::{BackoffStep, OnExhausted, ReservationPolicy};
 
 use super::Scheduler;
 use super::job::{Job, Slot};
-use crate::engine::{EngineStep, EngineStepReply, RestoreCopy, SampledTokens, SaveCopy};
 use crate::error::ServeError;
-use crate::kv_pool::{PoolOp, PoolReply};
+use crate::exchange::{
+    EngineStep, EngineStepReply, PoolOp, PoolReply, RestoreCopy, SampledTokens, SaveCopy, StoreOp,
+    StoreReply,
+};
 use crate::request::FinishReason;
-use crate::snapshot_store::{StoreOp, StoreReply};
 
 /// A slice of one running job's tokens to compute this step.
 #[derive(Debug, Clone, Copy)]

@@ -124,7 +124,11 @@ fn tokens(stream: &mut RequestStream) -> (Vec<u32>, Option<Event>) {
 fn decode_rows_come_first_and_prompts_fill_the_budget_in_chunks() {
     let mut h = Harness::new(64, "[admission]\nmax_running = 2\nstep_token_budget = 10\n");
     let mut a = h.submit(4, 5);
-    assert_eq!(h.step(), vec![(0, 4)], "a is admitted and runs its prompt in one step");
+    assert_eq!(
+        h.step(),
+        vec![(0, 4)],
+        "a is admitted and runs its prompt in one step"
+    );
     let mut b = h.submit(30, 2);
     assert_eq!(
         h.step(),

@@ -1,0 +1,191 @@
+//! What the scheduler exchanges with the other actors in a step: the pool's operations, the
+//! store's and the engine's step, with their answers. Plain data: the actix messages that carry
+//! them are their actors' business (`kv_pool`, `snapshot_store`, `engine`), so the scheduler's
+//! vocabulary does not depend on actix.
+
+use cache::{
+    BackingId, CacheError, Eviction, LookupHit, PageCopy, PageId, PrefixHash, RestorePlan,
+    SaveReservation, SaveStart, SlotHandle, SnapshotId, Tier,
+};
+use engine::backend::StepPlan;
+use engine::sampling::Sampler;
+
+/// One change to the pool.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PoolOp {
+    Release(SlotHandle),
+    /// Opens a slot and allocates its first `initial_tokens` positions (a restored prefix).
+    Admit {
+        prompt_tokens: usize,
+        max_new_tokens: usize,
+        initial_tokens: usize,
+    },
+    /// Grows a sequence by `tokens` positions.
+    Extend {
+        handle: SlotHandle,
+        tokens: usize,
+    },
+}
+
+/// The answer to one [`PoolOp`], in the same position.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PoolReply {
+    Released(Result<usize, CacheError>),
+    /// The new slot and its page table.
+    Admitted(Result<(SlotHandle, Vec<PageId>), CacheError>),
+    /// The pages added, in order.
+    Extended(Result<Vec<PageId>, CacheError>),
+}
+
+/// One request to the store.
+#[derive(Debug, PartialEq)]
+pub enum StoreOp {
+    /// The longest stored prefix of a chain.
+    Lookup(Vec<PrefixHash>),
+    /// Pins a snapshot and plans the copy of its first `pages` pages (a lookup hit's) into the
+    /// head of `page_table`.
+    BeginRestore {
+        snapshot: SnapshotId,
+        pages: usize,
+        page_table: Vec<PageId>,
+    },
+    FinishRestore(SnapshotId),
+    /// Charges a snapshot of `chain` in `tier`, evicting as needed.
+    BeginSave {
+        chain: Vec<PrefixHash>,
+        tier: Tier,
+    },
+    /// The same for a prompt, of as much of `chain` as the save policy's sightings allow.
+    BeginPromptSave {
+        chain: Vec<PrefixHash>,
+        tier: Tier,
+    },
+    CommitSave(SaveReservation),
+    AbortSave(SaveReservation),
+    CommitDemotion(SnapshotId),
+    AbortDemotion(SnapshotId),
+}
+
+/// The answer to one [`StoreOp`], in the same position.
+#[derive(Debug, PartialEq)]
+pub enum StoreReply {
+    Lookup(Option<LookupHit>),
+    Restore(Result<RestorePlan, CacheError>),
+    Save(Result<SaveStart, CacheError>),
+    Done(Result<(), CacheError>),
+}
+
+/// A snapshot to fill: allocate `backing` and copy pool pages into it.
+#[derive(Debug)]
+pub struct SaveCopy {
+    pub backing: BackingId,
+    pub tier: Tier,
+    pub bytes: u64,
+    pub copies: Vec<PageCopy>,
+}
+
+/// A snapshot to copy into pool pages before the forward pass.
+#[derive(Debug)]
+pub struct RestoreCopy {
+    pub backing: BackingId,
+    pub copies: Vec<PageCopy>,
+}
+
+/// Everything the backend does for one scheduler step.
+pub struct EngineStep {
+    pub evictions: Vec<Eviction>,
+    pub restores: Vec<RestoreCopy>,
+    pub plan: StepPlan,
+    /// One per plan row: rows with a sampler get their next token.
+    pub samplers: Vec<Option<Box<Sampler>>>,
+    /// Empty for one step. Otherwise one per plan row, every row one token with a sampler:
+    /// row `i` runs up to `row_steps[i]` decode steps, each fed the token the one before
+    /// sampled, and stops early after a stop token of its sampler or the model's.
+    pub row_steps: Vec<usize>,
+    pub saves: Vec<SaveCopy>,
+}
+
+/// The tokens each plan row sampled, in order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SampledTokens {
+    /// Room per row: the most steps any row ran.
+    stride: usize,
+    /// Row `i`'s tokens are `tokens[i * stride..][..counts[i]]`.
+    tokens: Vec<u32>,
+    counts: Vec<usize>,
+}
+
+impl SampledTokens {
+    pub(crate) fn new(rows: usize, stride: usize) -> Self {
+        SampledTokens {
+            stride,
+            tokens: vec![0; rows * stride],
+            counts: vec![0; rows],
+        }
+    }
+
+    /// The tokens row `i` sampled, first to last.
+    pub fn row(&self, i: usize) -> &[u32] {
+        &self.tokens[i * self.stride..][..self.counts[i]]
+    }
+
+    pub fn rows(&self) -> usize {
+        self.counts.len()
+    }
+
+    pub(crate) fn push(&mut self, i: usize, token: u32) {
+        self.tokens[i * self.stride + self.counts[i]] = token;
+        self.counts[i] += 1;
+    }
+
+    pub(crate) fn last(&self, i: usize) -> Option<u32> {
+        self.row(i).last().copied()
+    }
+}
+
+pub struct EngineStepReply {
+    /// Evictions that were demotions, and whether the copy to the host tier worked.
+    pub demotions: Vec<(SnapshotId, bool)>,
+    pub restores: Vec<Result<(), String>>,
+    /// The tokens each row sampled, or why the forward pass failed.
+    pub forward: Result<SampledTokens, String>,
+    /// Seconds the forward pass's first step took, sampling included (0 without rows).
+    pub first_step_seconds: f64,
+    /// The samplers, handed back in row order.
+    pub samplers: Vec<Option<Box<Sampler>>>,
+    pub saves: Vec<Result<(), String>>,
+    /// The plan, handed back so its buffers are refilled next step rather than reallocated.
+    pub plan: StepPlan,
+}
+
+/// How many outcomes of each kind a step's reply carries.
+#[derive(Debug, Clone, Copy)]
+pub struct StepShape {
+    restores: usize,
+    rows: usize,
+    saves: usize,
+}
+
+impl EngineStepReply {
+    pub fn shape_of(step: &EngineStep) -> StepShape {
+        StepShape {
+            restores: step.restores.len(),
+            rows: step.plan.rows.len(),
+            saves: step.saves.len(),
+        }
+    }
+
+    /// The reply of a step that never ran because the engine thread is gone: everything in
+    /// it failed. (Demotions it carried stay `Demoting` in the store; nothing serves then.)
+    pub fn failed(shape: StepShape, reason: &str) -> Self {
+        EngineStepReply {
+            demotions: Vec::new(),
+            restores: vec![Err(reason.to_string()); shape.restores],
+            forward: Err(reason.to_string()),
+            first_step_seconds: 0.0,
+            samplers: (0..shape.rows).map(|_| None).collect(),
+            saves: vec![Err(reason.to_string()); shape.saves],
+            plan: StepPlan::default(),
+        }
+    }
+}
