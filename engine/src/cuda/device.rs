@@ -226,6 +226,11 @@ impl<T> DPtr<T> {
         DPtr::new(self.addr + (elems * std::mem::size_of::<T>()) as u64)
     }
 
+    /// A raw address the caller knows to be a device address (mapped host memory).
+    pub fn from_addr(addr: CUdeviceptr) -> Self {
+        DPtr::new(addr)
+    }
+
     /// The address as the driver API takes it.
     pub fn addr(self) -> CUdeviceptr {
         self.addr

@@ -5,9 +5,11 @@
 //! A backing is a list of arena pages, so allocating and freeing one is bookkeeping: no
 //! `cuMemAlloc`, `cuMemHostAlloc` or free on the step path, and nothing that synchronizes the
 //! device. (An arena configured empty, as in tests and benchmarks, grows a chunk on demand.)
-//! Pinning a host arena of tens of GiB takes seconds, so it is done on a thread of its own
-//! while the server starts; until it is ready the host tier has no room, and a demotion
-//! drops its snapshot as it would with the host tier full.
+//! Pinning a host arena of tens of GiB takes seconds, and the driver serializes it with the
+//! other threads' calls, so the host arena is reserved as plain memory and pinned a gibibyte at
+//! a time on a thread of its own ([`HostArena`]) while the server starts and serves: its pages
+//! become usable as they are pinned, and until there are enough a demotion drops its snapshot
+//! as it would with the host tier full.
 //!
 //! A save gathers pool pages into a backing and a restore scatters them back into any pages, by
 //! one kernel launch each, queued on the backend's stream like every step: a later step sees
@@ -42,6 +44,7 @@ const GROWTH_BYTES: usize = 64 << 20;
 enum Memory {
     Device(DeviceBuffer),
     Host(PinnedBuffer),
+    Registered(HostArena),
 }
 
 impl Memory {
@@ -57,14 +60,143 @@ impl Memory {
         match self {
             Memory::Device(b) => b.ptr(),
             Memory::Host(b) => b.ptr(),
+            Memory::Registered(a) => a.ptr(),
         }
     }
+}
 
-    fn bytes(&self) -> usize {
-        match self {
-            Memory::Device(b) => b.bytes(),
-            Memory::Host(b) => b.bytes(),
+/// Bytes pinned at a time by the thread that pins a host arena: short enough that the driver
+/// work of one step never holds up other threads' calls for long.
+const PIN_STEP_BYTES: usize = 256 << 20;
+
+/// Host memory reserved whole and pinned (page-locked, mapped for the device) a step at a time
+/// on a thread of its own, from the start: `pinned()` bytes are usable. With unified addressing
+/// a registered range has the same address on the device as on the host, so the arena stays
+/// one range a kernel can address from its base.
+struct HostArena {
+    host: *mut u8,
+    layout: std::alloc::Layout,
+    pinned: Arc<std::sync::atomic::AtomicUsize>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+// SAFETY: the memory is owned here; the pinning thread only registers ranges of it, and is
+// joined before it is unregistered and freed.
+unsafe impl Send for HostArena {}
+
+impl HostArena {
+    fn new(device: &Arc<Device>, bytes: usize) -> Result<HostArena> {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let oom = || EngineError::OutOfMemory(format!("the host snapshot arena of {bytes} bytes"));
+        let layout = std::alloc::Layout::from_size_align(bytes, 2 << 20).map_err(|_| oom())?;
+        // SAFETY: a non-zero size; freed in `drop` with the same layout. The pages are not
+        // touched until pinned (the allocator maps them lazily).
+        let host = unsafe { std::alloc::alloc(layout) };
+        if host.is_null() {
+            return Err(oom());
         }
+        let mut arena = HostArena {
+            host,
+            layout,
+            pinned: Arc::new(AtomicUsize::new(0)),
+            stop: Arc::new(AtomicBool::new(false)),
+            thread: None,
+        };
+        // The first step now, to learn the device address; the rest beside everything else.
+        let first = bytes.min(PIN_STEP_BYTES);
+        register(host, first).map_err(|e| {
+            EngineError::OutOfMemory(format!(
+                "pinning host memory for the host snapshot tier (snapshots.host_budget_bytes): {e}"
+            ))
+        })?;
+        let mut mapped: sys::CUdeviceptr = 0;
+        // SAFETY: the range was registered with DEVICEMAP just above.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut mapped, host.cast(), 0) }.result()?;
+        arena.pinned.store(first, Ordering::Release);
+        if mapped != host as u64 {
+            tracing::warn!(
+                "the device maps pinned host memory elsewhere: the host snapshot tier keeps {first} bytes"
+            );
+            return Ok(arena);
+        }
+        let (pinned, stop, device) = (arena.pinned.clone(), arena.stop.clone(), device.clone());
+        let base = host as usize;
+        let pin = move || {
+            let started = std::time::Instant::now();
+            if let Err(e) = device.bind() {
+                tracing::error!("pinning the host snapshot tier: {e}");
+                return;
+            }
+            let mut done = first;
+            while done < bytes && !stop.load(Ordering::Acquire) {
+                let step = (bytes - done).min(PIN_STEP_BYTES);
+                if let Err(e) = register((base + done) as *mut u8, step) {
+                    tracing::error!("pinning the host snapshot tier stopped at {done} bytes: {e}");
+                    return;
+                }
+                done += step;
+                pinned.store(done, Ordering::Release);
+            }
+            tracing::info!(
+                "pinned {:.1} GiB of host memory for the host snapshot tier in {:.1} s",
+                done as f64 / (1u64 << 30) as f64,
+                started.elapsed().as_secs_f64()
+            );
+        };
+        let thread = std::thread::Builder::new().name("snapserve-pin".into());
+        arena.thread = Some(thread.spawn(pin).map_err(|e| {
+            EngineError::OutOfMemory(format!("starting the thread that pins host memory: {e}"))
+        })?);
+        Ok(arena)
+    }
+
+    fn ptr(&self) -> DPtr<u8> {
+        DPtr::from_addr(self.host as u64)
+    }
+
+    /// Bytes pinned so far, from the start.
+    fn pinned(&self) -> usize {
+        self.pinned.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn finished(&self) -> bool {
+        self.thread.as_ref().is_none_or(JoinHandle::is_finished)
+    }
+}
+
+/// Page-locks `bytes` at `host` and maps them for the device. The pages are faulted in first,
+/// as transparent huge pages where the kernel has them, by plain writes: that part of pinning
+/// needs no driver call, so other threads' CUDA calls do not wait for it.
+fn register(host: *mut u8, bytes: usize) -> Result<()> {
+    // SAFETY: a range this arena owns; advice only.
+    unsafe { libc::madvise(host.cast(), bytes, libc::MADV_HUGEPAGE) };
+    for offset in (0..bytes).step_by(4096) {
+        // SAFETY: inside the range; nothing else reads it yet.
+        unsafe { host.add(offset).write_volatile(0) };
+    }
+    let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+    // SAFETY: a range of memory this arena owns, registered once.
+    unsafe { sys::cuMemHostRegister_v2(host.cast(), bytes, flags) }.result()?;
+    Ok(())
+}
+
+impl Drop for HostArena {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        let pinned = self.pinned();
+        let mut at = 0;
+        while at < pinned {
+            // SAFETY: each step was registered at this offset; nothing uses it any more (the
+            // backend waited for its streams before dropping its backings).
+            let _ = unsafe { sys::cuMemHostUnregister(self.host.add(at).cast()) };
+            at += PIN_STEP_BYTES;
+        }
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.host, self.layout) };
     }
 }
 
@@ -89,79 +221,59 @@ struct Arena {
     chunks: Vec<Chunk>,
     /// Sized by configuration: it never grows, and running out is the caller's to handle.
     fixed: bool,
-    /// Its memory, while a thread of its own still allocates it.
-    pending: Option<JoinHandle<Result<Memory>>>,
+    /// Pages of a host arena still being pinned (its only chunk) already handed to `free`.
+    adopted: usize,
 }
 
 impl Arena {
-    /// An arena of `bytes`, allocated now, or on a thread of its own with `in_background`.
-    fn new(
-        device: &Arc<Device>,
-        tier: Tier,
-        bytes: u64,
-        page_bytes: usize,
-        in_background: bool,
-    ) -> Result<Arena> {
+    /// An arena of `bytes`: device memory allocated now, or host memory pinned a step at a
+    /// time beside everything else.
+    fn new(device: &Arc<Device>, tier: Tier, bytes: u64, page_bytes: usize) -> Result<Arena> {
         let mut arena = Arena {
             tier,
             page_bytes,
             chunks: Vec::new(),
             fixed: false,
-            pending: None,
+            adopted: 0,
         };
         let pages = usize::try_from(bytes).unwrap_or(usize::MAX) / page_bytes;
         if pages == 0 {
             return Ok(arena);
         }
         arena.fixed = true;
-        if !in_background {
-            arena.grow(device, pages)?;
-            return Ok(arena);
+        match tier {
+            Tier::Device => arena.grow(device, pages)?,
+            Tier::Host => {
+                let memory = Memory::Registered(HostArena::new(device, pages * page_bytes)?);
+                arena.chunks.push(Chunk {
+                    memory,
+                    free: Vec::new(),
+                });
+                arena.adopt_pinned();
+            }
         }
-        let device = device.clone();
-        let bytes = pages * page_bytes;
-        let pin = move || {
-            device.bind()?;
-            let started = std::time::Instant::now();
-            let memory = Memory::alloc(&device, tier, bytes)?;
-            tracing::info!(
-                "pinned {:.1} GiB of host memory for the host snapshot tier in {:.1} s",
-                bytes as f64 / (1u64 << 30) as f64,
-                started.elapsed().as_secs_f64()
-            );
-            Ok(memory)
-        };
-        let thread = std::thread::Builder::new().name("snapserve-pin".into());
-        arena.pending = Some(thread.spawn(pin).map_err(|e| {
-            EngineError::OutOfMemory(format!("starting the thread that pins host memory: {e}"))
-        })?);
         Ok(arena)
     }
 
-    /// Takes in the memory the background thread allocated, once it has.
-    fn adopt_pending(&mut self) {
-        if !self.pending.as_ref().is_some_and(JoinHandle::is_finished) {
+    /// Hands out the pages of a host arena pinned since the last call.
+    fn adopt_pinned(&mut self) {
+        let Some(Chunk {
+            memory: Memory::Registered(host),
+            free,
+        }) = self.chunks.first_mut()
+        else {
             return;
-        }
-        let joined = self.pending.take().expect("checked above").join();
-        match joined {
-            Ok(Ok(memory)) => {
-                let pages = (0..self.chunk_pages(&memory) as u32).rev().collect();
-                self.chunks.push(Chunk {
-                    memory,
-                    free: pages,
-                });
-            }
-            Ok(Err(e)) => tracing::error!(
-                "the {} snapshot tier has no memory, its snapshots are dropped instead: {e}",
-                tier_name(self.tier)
-            ),
-            Err(_) => tracing::error!("the thread pinning host memory panicked"),
+        };
+        let pinned = host.pinned() / self.page_bytes;
+        if pinned > self.adopted {
+            free.extend((self.adopted as u32..pinned as u32).rev());
+            self.adopted = pinned;
         }
     }
 
-    fn chunk_pages(&self, memory: &Memory) -> usize {
-        memory.bytes() / self.page_bytes
+    /// Whether part of the arena is still being pinned.
+    fn pinning(&self) -> bool {
+        matches!(self.chunks.first(), Some(Chunk { memory: Memory::Registered(host), .. }) if !host.finished())
     }
 
     fn grow(&mut self, device: &Device, pages: usize) -> Result<()> {
@@ -177,7 +289,7 @@ impl Arena {
 
     /// `pages` pages of one chunk, or `None` when no chunk has that many free.
     fn take(&mut self, device: &Device, pages: usize) -> Result<Option<(usize, Vec<u32>)>> {
-        self.adopt_pending();
+        self.adopt_pinned();
         let found = self.chunks.iter().position(|c| c.free.len() >= pages);
         let chunk = match found {
             Some(chunk) => chunk,
@@ -260,8 +372,8 @@ impl Backings {
     pub fn new(device: &Arc<Device>, sizes: ArenaSizes, page_bytes: usize) -> Result<Self> {
         device.bind()?;
         let arenas = [
-            Arena::new(device, Tier::Device, sizes.device_bytes, page_bytes, false)?,
-            Arena::new(device, Tier::Host, sizes.host_bytes, page_bytes, true)?,
+            Arena::new(device, Tier::Device, sizes.device_bytes, page_bytes)?,
+            Arena::new(device, Tier::Host, sizes.host_bytes, page_bytes)?,
         ];
         let copy_stream = device.context().new_stream()?;
         let compute_mark = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
@@ -279,12 +391,10 @@ impl Backings {
     /// Waits until every arena's memory is there (the host's may still be being pinned).
     pub fn wait_until_allocated(&mut self) {
         for arena in &mut self.arenas {
-            if let Some(pending) = &arena.pending {
-                while !pending.is_finished() {
-                    std::thread::sleep(std::time::Duration::from_millis(5));
-                }
+            while arena.pinning() {
+                std::thread::sleep(std::time::Duration::from_millis(5));
             }
-            arena.adopt_pending();
+            arena.adopt_pinned();
         }
     }
 
@@ -305,7 +415,7 @@ impl Backings {
         let device = self.device.clone();
         let arena = self.arena(tier);
         let Some((chunk, pages)) = arena.take(&device, pages)? else {
-            let pinning = if arena.pending.is_some() {
+            let pinning = if arena.pinning() {
                 " (its memory is still being pinned)"
             } else {
                 ""
