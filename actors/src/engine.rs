@@ -344,6 +344,7 @@ impl Engine {
         };
         EngineStepReply {
             demotions,
+            engine_gone: false,
             restores,
             forward,
             first_step_seconds,

@@ -144,8 +144,11 @@ impl SampledTokens {
 }
 
 pub struct EngineStepReply {
-    /// Evictions that were demotions, and whether the copy to the host tier worked.
+    /// Demotions whose copy ended since the last step (started in this step or earlier), and
+    /// whether it worked.
     pub demotions: Vec<(SnapshotId, bool)>,
+    /// The engine is gone: demotions it had started will never be reported.
+    pub engine_gone: bool,
     pub restores: Vec<Result<(), String>>,
     /// The tokens each row sampled, or why the forward pass failed.
     pub forward: Result<SampledTokens, String>,
@@ -180,6 +183,7 @@ impl EngineStepReply {
     pub fn failed(shape: StepShape, reason: &str) -> Self {
         EngineStepReply {
             demotions: Vec::new(),
+            engine_gone: true,
             restores: vec![Err(reason.to_string()); shape.restores],
             forward: Err(reason.to_string()),
             first_step_seconds: 0.0,

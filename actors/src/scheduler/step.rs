@@ -770,9 +770,13 @@ impl Scheduler {
                 ));
             }
         }
-        self.demotions_in_flight = self
-            .demotions_in_flight
-            .saturating_sub(reply.demotions.len());
+        // A gone engine will report nothing more: stop asking.
+        self.demotions_in_flight = if reply.engine_gone {
+            0
+        } else {
+            self.demotions_in_flight
+                .saturating_sub(reply.demotions.len())
+        };
         for (snapshot, moved) in reply.demotions {
             self.follow_ups.push(if moved {
                 StoreFollowUp::CommitDemotion(snapshot)
