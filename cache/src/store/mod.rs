@@ -141,10 +141,11 @@ impl SaveReservation {
     }
 }
 
-/// A snapshot that left a tier to make room. The engine must act on every eviction before it
-/// allocates the new save's buffer, so the tier's memory never holds more than its budget:
-/// free `backing`, after first copying it into `demoted_to` when that is set (then report
-/// `commit_demotion` or `abort_demotion`).
+/// A snapshot that left a tier to make room. The engine acts on every eviction before it
+/// allocates the new save's buffer: it frees `backing`, or, when `demoted_to` is set, copies it
+/// there first and frees it once the copy has landed (then the store hears `commit_demotion` or
+/// `abort_demotion`). Until then a demoting snapshot is restored from `backing`, so the device
+/// tier's memory holds its budget plus the demotions in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Eviction {
     pub snapshot: SnapshotId,
