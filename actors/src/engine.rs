@@ -5,6 +5,8 @@
 //! room for new snapshots (free or demote evicted ones), restore snapshots into pool pages,
 //! run the forward pass and sample, then copy finished prompts into their snapshot buffers.
 //! Each part reports its own outcome, so one failure costs only the requests it touched.
+//! A demotion's copy runs beside the steps; each step's reply carries the demotions that landed
+//! since the last one, and only then is the device copy freed.
 //!
 //! A step may ask for several decode steps ([`EngineStep::row_steps`]): the engine then runs
 //! the forward pass again on the rows still going, each fed the token it just sampled, so the
