@@ -3,7 +3,7 @@
 //! sequence continues exactly as one prefilled the same way without a snapshot. Run on the GPU
 //! machine with `cargo test --release -p engine --test cuda_snapshots -- --ignored`.
 
-use cache::{BackingId, PageCopy, PageId, Tier};
+use cache::{BackingId, KvGeometry, PageCopy, PageId, Tier};
 use engine::DType;
 use engine::backend::{Backend, LogitsWanted, RowPlan, StepPlan};
 use engine::cuda::{CudaBackend, CudaOptions};
@@ -13,6 +13,11 @@ use engine::model::synthetic::{self, SyntheticSpec};
 const PAGE: usize = 16;
 
 fn backend() -> (tempfile::TempDir, CudaBackend) {
+    backend_with(|_| CudaOptions::for_tokens(32 * PAGE, 256, 4))
+}
+
+/// The tiny bf16 model on options chosen knowing its snapshot page's bytes.
+fn backend_with(options: impl FnOnce(u64) -> CudaOptions) -> (tempfile::TempDir, CudaBackend) {
     let dir = tempfile::tempdir().unwrap();
     let spec = SyntheticSpec {
         dtype: DType::BF16,
@@ -20,7 +25,15 @@ fn backend() -> (tempfile::TempDir, CudaBackend) {
     };
     synthetic::write(dir.path(), &spec).unwrap();
     let model = ModelFiles::open(dir.path()).unwrap();
-    let options = CudaOptions::for_tokens(32 * PAGE, 256, 4);
+    let config = &model.config;
+    let geometry = KvGeometry {
+        layers: config.num_layers,
+        kv_heads: config.num_kv_heads,
+        head_dim: config.head_dim,
+        page_tokens: PAGE,
+        dtype_bytes: 2,
+    };
+    let options = options(geometry.page_bytes() as u64);
     let backend = CudaBackend::load(&model, &options).expect("these tests need a CUDA device");
     (dir, backend)
 }
@@ -173,24 +186,19 @@ fn bad_backing_requests_are_errors_not_panics() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_sized_arena_hands_out_its_pages_and_never_grows() {
-    let dir = tempfile::tempdir().unwrap();
-    let spec = SyntheticSpec {
-        dtype: DType::BF16,
-        ..SyntheticSpec::tiny(11)
-    };
-    synthetic::write(dir.path(), &spec).unwrap();
-    let model = ModelFiles::open(dir.path()).unwrap();
-    let geometry_probe = backend().1.info().geometry.page_bytes() as u64;
-    let options = CudaOptions {
-        // Eight pages of budget: the arena holds nine (an eighth more, for demotions).
-        device_snapshot_bytes: 8 * geometry_probe,
-        host_snapshot_bytes: 4 * geometry_probe,
-        ..CudaOptions::for_tokens(32 * PAGE, 256, 4)
-    };
-    let mut backend = CudaBackend::load(&model, &options).unwrap();
+    let mut sized_for = 0;
+    let (_dir, mut backend) = backend_with(|page_bytes| {
+        sized_for = page_bytes;
+        CudaOptions {
+            // Eight pages of budget: the arena holds nine (an eighth more, for demotions).
+            device_snapshot_bytes: 8 * page_bytes,
+            host_snapshot_bytes: 4 * page_bytes,
+            ..CudaOptions::for_tokens(32 * PAGE, 256, 4)
+        }
+    });
     backend.wait_for_snapshot_arenas();
     let page_bytes = backend.info().geometry.page_bytes() as u64;
-    assert_eq!(page_bytes, geometry_probe);
+    assert_eq!(page_bytes, sized_for);
     backend
         .alloc_backing(BackingId(1), Tier::Device, 6 * page_bytes)
         .unwrap();

@@ -29,6 +29,7 @@ use policy::Policies;
 use proptest::prelude::*;
 use proptest::sample::Index;
 
+use super::tests::drive_step;
 use super::{Scheduler, StepOutcome};
 use crate::engine::Engine;
 use crate::kv_pool::KvPool;
@@ -260,20 +261,15 @@ impl World {
     }
 
     /// One step as the `Admission` actor drives it, checking the store against the engine
-    /// once the last step's outcomes are in the store.
+    /// once the last step's outcomes are in the store, and the pages and events after it.
     fn step(&mut self) -> StepOutcome {
-        let now = Instant::now();
-        let ops = self.scheduler.begin_step(now);
-        let replies = ops.into_iter().map(|op| self.store.apply(op)).collect();
-        self.check_backings();
-        let ops = self.scheduler.plan_pool(replies);
-        let replies: Vec<_> = ops.into_iter().map(|op| self.pool.apply(op)).collect();
-        let stats = self.pool.stats();
-        let ops = self.scheduler.plan_store(replies, Some(stats), now);
-        let replies = ops.into_iter().map(|op| self.store.apply(op)).collect();
-        let step = self.scheduler.plan_engine(replies);
-        let reply = step.map(|s| self.engine.run(s));
-        let outcome = self.scheduler.finish_step(reply, Instant::now());
+        let (scheduler, pool, store, engine) = (
+            &mut self.scheduler,
+            &mut self.pool,
+            &mut self.store,
+            &mut self.engine,
+        );
+        let (_, outcome) = drive_step(scheduler, pool, store, engine, check_backings);
         self.check_pages();
         self.read_events();
         outcome
@@ -291,23 +287,6 @@ impl World {
                 None => return,
             }
         }
-    }
-
-    fn check_backings(&self) {
-        let store = self.store.inner();
-        let mut held = BTreeSet::new();
-        for id in store.snapshot_ids() {
-            let info = store.info(id).unwrap();
-            assert_ne!(
-                info.state,
-                SnapshotState::Saving,
-                "{id} is still saving after its step"
-            );
-            held.insert(info.backing);
-            held.extend(info.demoting_from);
-        }
-        let engine: BTreeSet<BackingId> = self.engine.backing_ids().into_iter().collect();
-        assert_eq!(held, engine, "the store's backings and the engine's differ");
     }
 
     fn check_pages(&self) {
@@ -422,9 +401,28 @@ impl World {
                 "{id} is left behind"
             );
         }
-        self.check_backings();
+        check_backings(&self.store, &self.engine);
         assert_eq!(self.engine.demotions_in_flight(), 0);
     }
+}
+
+/// The store's snapshots' backings (a demoting one's device copy included) are exactly the
+/// engine's, and none is half-saved: to be called once the store has the last step's outcomes.
+fn check_backings(store: &SnapshotStore, engine: &Engine) {
+    let store = store.inner();
+    let mut held = BTreeSet::new();
+    for id in store.snapshot_ids() {
+        let info = store.info(id).unwrap();
+        assert_ne!(
+            info.state,
+            SnapshotState::Saving,
+            "{id} is still saving after its step"
+        );
+        held.insert(info.backing);
+        held.extend(info.demoting_from);
+    }
+    let engine: BTreeSet<BackingId> = engine.backing_ids().into_iter().collect();
+    assert_eq!(held, engine, "the store's backings and the engine's differ");
 }
 
 proptest! {

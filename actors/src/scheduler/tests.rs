@@ -73,19 +73,13 @@ impl Harness {
 
     /// Runs one step; returns its rows and what the scheduler said of the next.
     fn step_outcome(&mut self) -> (Vec<(usize, usize)>, StepOutcome) {
-        let now = Instant::now();
-        let lookups = self.scheduler.begin_step(now);
-        let replies = lookups.into_iter().map(|op| self.store.apply(op)).collect();
-        let ops = self.scheduler.plan_pool(replies);
-        let replies: Vec<_> = ops.into_iter().map(|op| self.pool.apply(op)).collect();
-        let stats = self.pool.stats();
-        let ops = self.scheduler.plan_store(replies, Some(stats), now);
-        let replies = ops.into_iter().map(|op| self.store.apply(op)).collect();
-        let step = self.scheduler.plan_engine(replies);
-        let rows = step.as_ref().map_or_else(Vec::new, |s| rows_of(&s.plan));
-        let reply = step.map(|s| self.engine.run(s));
-        let outcome = self.scheduler.finish_step(reply, Instant::now());
-        (rows, outcome)
+        let (scheduler, pool, store, engine) = (
+            &mut self.scheduler,
+            &mut self.pool,
+            &mut self.store,
+            &mut self.engine,
+        );
+        drive_step(scheduler, pool, store, engine, |_, _| {})
     }
 
     fn try_submit(
@@ -100,6 +94,33 @@ impl Harness {
         };
         self.scheduler.submit(GenerateRequest { prompt, params })
     }
+}
+
+/// One step as the `Admission` actor drives it, through the actors' own `apply`/`run` without
+/// a runtime; `between` looks at the store and the engine once the store has taken the last
+/// step's outcomes. Returns the (start, token count) of each row the engine ran, and what the
+/// scheduler said of the next step.
+pub(super) fn drive_step(
+    scheduler: &mut Scheduler,
+    pool: &mut KvPool,
+    store: &mut SnapshotStore,
+    engine: &mut Engine,
+    between: impl FnOnce(&SnapshotStore, &Engine),
+) -> (Vec<(usize, usize)>, StepOutcome) {
+    let now = Instant::now();
+    let lookups = scheduler.begin_step(now);
+    let replies = lookups.into_iter().map(|op| store.apply(op)).collect();
+    between(store, engine);
+    let ops = scheduler.plan_pool(replies);
+    let replies: Vec<_> = ops.into_iter().map(|op| pool.apply(op)).collect();
+    let stats = pool.stats();
+    let ops = scheduler.plan_store(replies, Some(stats), now);
+    let replies = ops.into_iter().map(|op| store.apply(op)).collect();
+    let step = scheduler.plan_engine(replies);
+    let rows = step.as_ref().map_or_else(Vec::new, |s| rows_of(&s.plan));
+    let reply = step.map(|s| engine.run(s));
+    let outcome = scheduler.finish_step(reply, Instant::now());
+    (rows, outcome)
 }
 
 fn rows_of(plan: &StepPlan) -> Vec<(usize, usize)> {
