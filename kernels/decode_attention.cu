@@ -20,8 +20,9 @@
 
 #define DECODE_WARPS 4
 // Most splits a launch may have (the engine's MAX_SPLITS), and the fewest positions a split
-// takes: a short row uses fewer splits than launched, whose merge then costs less.
-#define MAX_SPLITS 16
+// takes: a short row uses fewer splits than launched, whose merge then costs less. One row of
+// 32k positions takes 128 splits of 250 to fill an H200's multiprocessors several times over.
+#define MAX_SPLITS 128
 #define MIN_SPLIT_KEYS 64
 // Query heads per block: each costs 16 registers a lane, and occupancy hides memory latency.
 #define DECODE_GROUP 4
@@ -106,8 +107,10 @@ struct DecodeArgs {
 };
 
 // The last block of a (row, head group) merges the `used` splits' partial outputs: the splits'
-// weights first (from their log-sum-exps, through shared memory), then every output element
-// with all its partial loads in flight at once.
+// weights first (from their log-sum-exps, through shared memory), then four output elements a
+// thread, with the partial loads of MERGE_BATCH splits in flight at once (a merge of 128 splits
+// reads 256 KB for the 8B shape: one load at a time, latency made it the step's largest cost).
+#define MERGE_BATCH 16
 __device__ void combine_splits(const DecodeArgs& a, u32 r, u32 head0, u32 g, u32 used, u32 token,
                                u32 D) {
     __shared__ float s_w[DECODE_GROUP][MAX_SPLITS];
@@ -124,14 +127,28 @@ __device__ void combine_splits(const DecodeArgs& a, u32 r, u32 head0, u32 g, u32
         for (u32 s = 0; s < used; ++s) w[s] = w[s] == NEG_INF ? 0.f : exp2f(w[s] - mx) / sum;
     }
     __syncthreads();
-    for (u32 idx = threadIdx.x; idx < g * D; idx += blockDim.x) {
-        u32 h = idx / D, d = idx % D;
-        const float* o = a.o_part + ((u64)r * a.heads + head0 + h) * a.splits * D + d;
-        float acc = 0.f;
+    u32 quads = D / 4;
+    for (u32 idx = threadIdx.x; idx < g * quads; idx += blockDim.x) {
+        u32 h = idx / quads, d = (idx % quads) * 4;
+        const float4* o =
+            (const float4*)(a.o_part + ((u64)r * a.heads + head0 + h) * a.splits * D + d);
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (u32 s0 = 0; s0 < used; s0 += MERGE_BATCH) {
+            float4 part[MERGE_BATCH];
 #pragma unroll
-        for (u32 s = 0; s < MAX_SPLITS; ++s)
-            if (s < used) acc += s_w[h][s] * __ldcg(o + s * D);
-        a.out[(u64)token * a.heads * D + (u64)(head0 + h) * D + d] = f32_to_bf16(acc);
+            for (u32 j = 0; j < MERGE_BATCH; ++j)
+                if (s0 + j < used) part[j] = __ldcg(o + (s0 + j) * quads);
+#pragma unroll
+            for (u32 j = 0; j < MERGE_BATCH; ++j) {
+                if (s0 + j < used) {
+                    float w = s_w[h][s0 + j];
+                    acc.x += w * part[j].x, acc.y += w * part[j].y;
+                    acc.z += w * part[j].z, acc.w += w * part[j].w;
+                }
+            }
+        }
+        bf16* dst = a.out + (u64)token * a.heads * D + (u64)(head0 + h) * D + d;
+        *(uint2*)dst = make_uint2(pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w));
     }
 }
 

@@ -9,6 +9,11 @@
 // accumulate) and an online softmax in registers. The keys are every position the row's pages
 // hold up to the query: a restored prefix and this step's tokens alike (their K and V are
 // appended before attention runs).
+//
+// Few query tokens over a long context (a conversation continued after a restored prefix) make
+// too few blocks to fill the device, so the launch may also split each item's key tiles over
+// `splits` blocks (grid z). Then each block writes its normalized partial output and its
+// log2-sum-exp, and merge_attention_splits combines them into the bf16 output.
 
 #define PREFILL_WARPS 4
 #define PREFILL_ROWS 64
@@ -83,7 +88,8 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
                                   const u32* __restrict__ row_start_pos,
                                   const u32* __restrict__ row_len, const u32* __restrict__ items,
                                   u32 heads, u32 kv_heads, u32 page_tokens, u32 window,
-                                  float scale_log2, bf16* __restrict__ out) {
+                                  float scale_log2, bf16* __restrict__ out, u32 splits,
+                                  float* __restrict__ o_part, float* __restrict__ lse_part) {
     constexpr int STRIDE = D + 8, KS = D / 16, NT = D / 8;
     __shared__ __align__(16) bf16 ks[KEY_TILE * STRIDE];
     __shared__ __align__(16) bf16 vs[KEY_TILE * STRIDE];
@@ -119,7 +125,12 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
 #pragma unroll
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
-    for (u32 k0 = window_start(first_pos, window); k0 <= last_pos; k0 += KEY_TILE) {
+    // This block's whole tiles of the item's keys.
+    u32 keys_lo = window_start(first_pos, window);
+    u32 tiles = (last_pos - keys_lo) / KEY_TILE + 1, per = (tiles + splits - 1) / splits;
+    u32 keys_begin = keys_lo + blockIdx.z * per * KEY_TILE;
+    u32 keys_end = min(keys_begin + per * KEY_TILE, last_pos + 1);
+    for (u32 k0 = keys_begin; k0 < keys_end; k0 += KEY_TILE) {
         __syncthreads();
         load_kv_tile<D>(ks, vs, k_cache, v_cache, table, page_tokens, kv_heads, kvh, k0, last_pos);
         __syncthreads();
@@ -191,10 +202,39 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
         const QueryRow& q = rows[half];
         if (!q.valid) continue;
         float inv = l[half] > 0.f ? 1.f / l[half] : 0.f;
-        bf16* dst = out + (u64)q.token * heads * D + (u64)q.head * D + tig * 2;
+        if (splits == 1) {
+            bf16* dst = out + (u64)q.token * heads * D + (u64)q.head * D + tig * 2;
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
-            *(u32*)(dst + n * 8) = pack_bf16x2(o[n][half * 2] * inv, o[n][half * 2 + 1] * inv);
+            for (int n = 0; n < NT; ++n)
+                *(u32*)(dst + n * 8) = pack_bf16x2(o[n][half * 2] * inv, o[n][half * 2 + 1] * inv);
+        } else {
+            u64 slot = ((u64)q.token * heads + q.head) * splits + blockIdx.z;
+            float* dst = o_part + slot * D + tig * 2;
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                *(float2*)(dst + n * 8) = make_float2(o[n][half * 2] * inv, o[n][half * 2 + 1] * inv);
+            if (tig == 0) lse_part[slot] = l[half] > 0.f ? m[half] + log2f(l[half]) : NEG_INF;
+        }
+    }
+}
+
+// Combines the key splits of prefill attention: block (token, head), a thread per dimension.
+extern "C" __global__ void merge_attention_splits(const float* __restrict__ o_part,
+                                                  const float* __restrict__ lse_part,
+                                                  bf16* __restrict__ out, u32 heads, u32 head_dim,
+                                                  u32 splits) {
+    u64 slot = (u64)blockIdx.x * heads + blockIdx.y;
+    const float* lse = lse_part + slot * splits;
+    float mx = NEG_INF;
+    for (u32 s = 0; s < splits; ++s) mx = fmaxf(mx, lse[s]);
+    for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float sum = 0.f, acc = 0.f;
+        for (u32 s = 0; s < splits; ++s) {
+            float w = lse[s] == NEG_INF ? 0.f : exp2f(lse[s] - mx);
+            sum += w;
+            acc += w * o_part[(slot * splits + s) * head_dim + d];
+        }
+        out[slot * head_dim + d] = f32_to_bf16(sum > 0.f ? acc / sum : 0.f);
     }
 }
 
@@ -204,10 +244,11 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
                                const bf16* v_cache, const u32* page_table, u32 table_stride,      \
                                const u32* row_start_token, const u32* row_start_pos,              \
                                const u32* row_len, const u32* items, u32 heads, u32 kv_heads,     \
-                               u32 page_tokens, u32 window, float scale_log2, bf16* out) {        \
+                               u32 page_tokens, u32 window, float scale_log2, bf16* out,          \
+                               u32 splits, float* o_part, float* lse_part) {                      \
         prefill_attention<D>(qkv, qkv_stride, k_cache, v_cache, page_table, table_stride,         \
                              row_start_token, row_start_pos, row_len, items, heads, kv_heads,     \
-                             page_tokens, window, scale_log2, out);                               \
+                             page_tokens, window, scale_log2, out, splits, o_part, lse_part);     \
     }
 PREFILL_ENTRY(16)
 PREFILL_ENTRY(32)

@@ -24,7 +24,21 @@ use crate::model::ModelConfig;
 
 /// Decode attention splits each row's positions over at most this many blocks (`MAX_SPLITS` in
 /// `kernels/decode_attention.cu`).
-pub const MAX_SPLITS: usize = 16;
+pub const MAX_SPLITS: usize = 128;
+
+/// Attention launches aim for this many blocks per multiprocessor, where splitting positions
+/// over blocks can make them: one block per multiprocessor leaves the loads of a long context
+/// waiting on latency (8B, one row of 32k positions: 16 splits took ~8 ms a step, 128 ~1 ms).
+const BLOCKS_PER_MULTIPROCESSOR: usize = 8;
+
+/// Prefill attention splits an item's keys over at most this many blocks, each at least
+/// [`PREFILL_MIN_SPLIT_KEYS`] long.
+pub const PREFILL_MAX_SPLITS: usize = 64;
+const PREFILL_MIN_SPLIT_KEYS: usize = 256;
+
+/// Token × split pairs the split workspaces hold at least, for prefill: 32 new tokens over a
+/// long context split 32 ways.
+const PREFILL_SPLIT_PAIRS: usize = 1024;
 
 /// The largest weight [`Forward`] multiplies with the gemv kernel. On an H200 (BENCHMARKS.md)
 /// the gemv is faster than cuBLAS at batch 1 for all of SmolLM2's weights (3.4 MiB at most)
@@ -39,6 +53,8 @@ pub struct WorkspaceSizes {
     pub tokens: usize,
     pub rows: usize,
     pub logit_rows: usize,
+    /// (row or token) × split pairs the attention split buffers hold, each for every head.
+    pub split_pairs: usize,
 }
 
 impl WorkspaceSizes {
@@ -46,7 +62,7 @@ impl WorkspaceSizes {
     fn parts(&self, c: &ModelConfig) -> [usize; 10] {
         let (t, h) = (self.tokens, c.hidden_size);
         let qkv = c.q_dim() + 2 * c.kv_dim();
-        let split_rows = self.rows * c.num_heads * MAX_SPLITS;
+        let split_rows = self.split_pairs * c.num_heads;
         [
             t * h * 4,
             t * h * 2,
@@ -124,8 +140,8 @@ impl Workspace {
 pub enum AttentionMode {
     /// Every row holds one token.
     Decode { rows: usize, splits: usize },
-    /// Rows of any length, in work items.
-    Prefill { items: usize },
+    /// Rows of any length, in work items, their keys split over `splits` blocks each.
+    Prefill { items: usize, splits: usize },
 }
 
 /// The parts of the backend a pass uses.
@@ -269,7 +285,7 @@ impl Forward<'_> {
                 };
                 self.kernels.decode_attention(&attention, rows, &split)?
             }
-            AttentionMode::Prefill { items } => {
+            AttentionMode::Prefill { items, splits } => {
                 self.kernels.rope_kv_append(&RopeKv {
                     qkv: self.ws.wide,
                     bias: w.bqkv,
@@ -289,7 +305,14 @@ impl Forward<'_> {
                     shape,
                     out: self.ws.narrow,
                 };
-                self.kernels.prefill_attention(&attention, items)?
+                let split = Splits {
+                    splits,
+                    o_part: self.ws.o_part,
+                    lse_part: self.ws.lse_part,
+                    done: self.ws.done,
+                };
+                self.kernels
+                    .prefill_attention(&attention, items, tokens, &split)?
             }
         }
         self.linear(
@@ -316,11 +339,72 @@ impl Forward<'_> {
     }
 }
 
-/// Splits for decode attention: enough blocks to fill the device twice over, at most
-/// [`MAX_SPLITS`]. Each row uses fewer where it is short (see the kernel).
-pub fn decode_splits(device: &Device, rows: usize, kv_heads: usize) -> usize {
-    let blocks = rows * kv_heads;
-    (2 * device.multiprocessors as usize)
-        .div_ceil(blocks.max(1))
+/// Splits for decode attention over `rows` rows: enough blocks to fill the device
+/// [`BLOCKS_PER_MULTIPROCESSOR`] times over, at most [`MAX_SPLITS`]. Each row uses fewer where
+/// it is short (see the kernel), so a launch shape serves every context length.
+pub fn decode_splits(multiprocessors: usize, rows: usize, blocks_per_row: usize) -> usize {
+    (BLOCKS_PER_MULTIPROCESSOR * multiprocessors)
+        .div_ceil((rows * blocks_per_row).max(1))
         .clamp(1, MAX_SPLITS)
+}
+
+/// The (row × split) pairs decode attention needs for any batch of at most `rows` rows.
+pub fn decode_split_pairs(multiprocessors: usize, rows: usize, blocks_per_row: usize) -> usize {
+    (1..=rows)
+        .map(|r| r * decode_splits(multiprocessors, r, blocks_per_row))
+        .max()
+        .unwrap_or(0)
+}
+
+/// The split workspaces' size: decode's need, and room for prefill's.
+pub fn split_pairs(multiprocessors: usize, rows: usize, blocks_per_row: usize) -> usize {
+    decode_split_pairs(multiprocessors, rows, blocks_per_row).max(PREFILL_SPLIT_PAIRS)
+}
+
+/// Key splits for a prefill launch of `blocks` blocks over `tokens` tokens whose longest row
+/// ends at `longest`: one unless the blocks are too few to fill the device, never more than
+/// the workspaces hold (`pairs` token × split pairs) or than the keys warrant.
+pub fn prefill_splits(
+    multiprocessors: usize,
+    blocks: usize,
+    tokens: usize,
+    longest: usize,
+    pairs: usize,
+) -> usize {
+    let wanted = (BLOCKS_PER_MULTIPROCESSOR * multiprocessors).div_ceil(blocks.max(1));
+    let room = pairs / tokens.max(1);
+    wanted
+        .min(longest.div_ceil(PREFILL_MIN_SPLIT_KEYS))
+        .min(room)
+        .clamp(1, PREFILL_MAX_SPLITS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_splits_fill_the_device_and_fit_the_workspace() {
+        // An H200 (132 multiprocessors), the 8B shape (8 blocks a row).
+        assert_eq!(decode_splits(132, 1, 8), MAX_SPLITS.min(132));
+        assert_eq!(decode_splits(132, 32, 8), 5);
+        assert_eq!(decode_splits(132, 256, 8), 1);
+        let pairs = decode_split_pairs(132, 256, 8);
+        for rows in 1..=256 {
+            assert!(rows * decode_splits(132, rows, 8) <= pairs);
+        }
+        assert!(pairs <= 256 + 132);
+    }
+
+    #[test]
+    fn prefill_splits_only_where_blocks_are_few() {
+        // 32 new tokens after 32,000 restored: 2 items × 8 blocks.
+        assert_eq!(prefill_splits(132, 16, 32, 32_032, 1024), 32);
+        // A fresh 8k prompt fills the device by itself.
+        assert_eq!(prefill_splits(132, 512 * 8, 8192, 8192, 1024), 1);
+        // A short context is not split finer than its keys.
+        assert_eq!(prefill_splits(132, 8, 5, 300, 1024), 2);
+        // Nor beyond the workspaces.
+        assert_eq!(prefill_splits(132, 16, 512, 32_512, 1024), 2);
+    }
 }

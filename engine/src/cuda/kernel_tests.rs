@@ -10,6 +10,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::device::{DPtr, Device, DeviceBuffer, PinnedBuffer};
+use super::forward::MAX_SPLITS;
 use super::gemm::{Gemm, Linear};
 use super::kernels::*;
 use super::pool::KvPool;
@@ -511,11 +512,14 @@ impl AttentionCase {
     }
 }
 
+/// Pages a row's table holds in these tests: rows of up to 16,384 positions.
+const TABLE_STRIDE: usize = 1024;
+
 fn meta_for(g: &Gpu, page_tokens: usize, spare: PageId) -> StepMeta {
     let capacity = MetaCapacity {
         tokens: 2048,
         rows: 64,
-        table_stride: 256,
+        table_stride: TABLE_STRIDE,
     };
     StepMeta::new(&g.device, capacity, page_tokens, spare).unwrap()
 }
@@ -649,21 +653,39 @@ fn decode_attention_matches_reference() {
     check_decode(shape(14, 2, 64, 0), &[40, 200], 3, true);
     check_decode(shape(4, 2, 16, 0), &[3, 90], 2, false);
     check_decode(shape(8, 8, 32, 100), &[30, 333], 5, false);
+    // As many splits as a launch may have, over a long row and a short one.
+    check_decode(shape(32, 8, 128, 0), &[9000, 70], MAX_SPLITS, false);
 }
 
-fn check_prefill(shape: AttnShape, rows: &[(usize, usize)]) {
+/// Prefill attention of rows of (start position, new tokens), its keys split over `splits`
+/// blocks per work item.
+fn check_prefill(shape: AttnShape, rows: &[(usize, usize)], splits: usize) {
     let g = gpu(shape.head_dim);
     let case = attention_case(&g, shape, rows, 8);
     let mut meta = meta_for(&g, shape.page_tokens, case.pool.spare_page());
     let (q, q_d, out, items) = case.inputs(&g, &mut meta, 9);
-    g.kernels
-        .prefill_attention(&case.attention(q_d.ptr(), &meta, out.ptr()), items)
-        .unwrap();
-    let got = g.download_bf16(
-        out.ptr(),
-        case.plan.total_tokens() * shape.heads * shape.head_dim,
+    let tokens = case.plan.total_tokens();
+    let parts = tokens * shape.heads * splits;
+    let (o_part, lse) = (
+        g.poisoned(parts * shape.head_dim * 4),
+        g.poisoned(parts * 4),
     );
-    let what = format!("prefill {shape:?} rows {rows:?}");
+    let split = Splits {
+        splits,
+        o_part: o_part.ptr(),
+        lse_part: lse.ptr(),
+        done: DPtr::NULL,
+    };
+    g.kernels
+        .prefill_attention(
+            &case.attention(q_d.ptr(), &meta, out.ptr()),
+            items,
+            tokens,
+            &split,
+        )
+        .unwrap();
+    let got = g.download_bf16(out.ptr(), tokens * shape.heads * shape.head_dim);
+    let what = format!("prefill {shape:?} rows {rows:?} splits {splits}");
     assert_close(&what, &got, &case.reference(&q), 2e-2);
 }
 
@@ -671,12 +693,23 @@ fn check_prefill(shape: AttnShape, rows: &[(usize, usize)]) {
 #[ignore = "needs a CUDA device"]
 fn prefill_attention_matches_reference() {
     // (start position, tokens): fresh prompts, a restored prefix plus new tokens, one token.
-    check_prefill(shape(9, 3, 64, 0), &[(0, 100), (48, 37), (5, 1)]);
-    check_prefill(shape(32, 8, 128, 0), &[(0, 130), (200, 70)]);
-    check_prefill(shape(14, 2, 64, 0), &[(0, 50), (16, 20)]);
-    check_prefill(shape(16, 1, 32, 0), &[(0, 40)]);
-    check_prefill(shape(4, 2, 16, 0), &[(0, 33), (7, 9)]);
-    check_prefill(shape(8, 4, 64, 24), &[(0, 90), (60, 40)]);
+    check_prefill(shape(9, 3, 64, 0), &[(0, 100), (48, 37), (5, 1)], 1);
+    check_prefill(shape(32, 8, 128, 0), &[(0, 130), (200, 70)], 1);
+    check_prefill(shape(14, 2, 64, 0), &[(0, 50), (16, 20)], 1);
+    check_prefill(shape(16, 1, 32, 0), &[(0, 40)], 1);
+    check_prefill(shape(4, 2, 16, 0), &[(0, 33), (7, 9)], 1);
+    check_prefill(shape(8, 4, 64, 24), &[(0, 90), (60, 40)], 1);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn prefill_attention_split_over_keys_matches_reference() {
+    // A few new tokens over a long restored context, split more ways than some items have
+    // tiles (those splits are empty), beside a fresh prompt; and a sliding window.
+    check_prefill(shape(32, 8, 128, 0), &[(3000, 32), (0, 20)], 7);
+    check_prefill(shape(9, 3, 64, 0), &[(1500, 5), (700, 70)], 16);
+    check_prefill(shape(16, 1, 32, 0), &[(900, 3)], 3);
+    check_prefill(shape(8, 4, 64, 200), &[(1000, 40)], 4);
 }
 
 /// The sampling kernel's rule, written plainly: rank, cut, weigh, draw in id order.
@@ -921,9 +954,9 @@ fn step_metadata_lands_in_its_typed_buffers() {
     assert_eq!(g.download(b.rows.start_token, 4), [0, 3, 4, 5]);
     assert_eq!(g.download(b.rows.start_pos, 4), [30, 0, 0, 0]);
     assert_eq!(g.download(b.rows.len, 4), [3, 1, 1, 1]);
-    let table = g.download(b.rows.page_table, 4 * 256);
+    let table = g.download(b.rows.page_table, 4 * TABLE_STRIDE);
     assert_eq!(
-        (&table[..3], table[256], table[512]),
+        (&table[..3], table[TABLE_STRIDE], table[2 * TABLE_STRIDE]),
         (&[4, 8, 1][..], 3, 99)
     );
     assert_eq!(g.download(b.rows.items, 10), [0, 0, 0, 2, 1, 0, 2, 0, 3, 0]);

@@ -131,6 +131,7 @@ pub struct Kernels {
     rope_kv_append: CudaFunction,
     decode_attention: CudaFunction,
     prefill_attention: CudaFunction,
+    merge_attention_splits: CudaFunction,
     sample_rows: CudaFunction,
     gather_pages: CudaFunction,
     scatter_pages: CudaFunction,
@@ -158,6 +159,7 @@ impl Kernels {
             rope_kv_append: f("rope_kv_append")?,
             decode_attention: f(&format!("decode_attention_d{head_dim}"))?,
             prefill_attention: f(&format!("prefill_attention_d{head_dim}"))?,
+            merge_attention_splits: f("merge_attention_splits")?,
             sample_rows: f("sample_rows")?,
             gather_pages: f("gather_pages")?,
             scatter_pages: f("scatter_pages")?,
@@ -296,8 +298,17 @@ impl Kernels {
             .launch(&self.decode_attention, grid, ATTENTION_THREADS, &args)
     }
 
-    /// Causal attention over `items` work items (see [`AttnShape::prefill_tile_tokens`]).
-    pub fn prefill_attention(&self, a: &Attention, items: usize) -> Result<()> {
+    /// Causal attention over `items` work items (see [`AttnShape::prefill_tile_tokens`]) of a
+    /// step of `tokens` tokens. With `split.splits` above 1 each item's keys are split over that
+    /// many blocks whose partial outputs (`[tokens][heads][splits]`) a second launch merges;
+    /// `split.done` is not used.
+    pub fn prefill_attention(
+        &self,
+        a: &Attention,
+        items: usize,
+        tokens: usize,
+        split: &Splits,
+    ) -> Result<()> {
         let s = &a.shape;
         let args = Args::new()
             .ptr(a.qkv)
@@ -315,14 +326,31 @@ impl Kernels {
             .u32(s.page_tokens as u32)
             .u32(s.window as u32)
             .f32(s.scale_log2())
-            .ptr(a.out);
+            .ptr(a.out)
+            .u32(split.splits as u32)
+            .ptr(split.o_part)
+            .ptr(split.lse_part);
         let grid = (
             items as u32,
-            (s.kv_heads * s.group().div_ceil(MAX_GROUP)) as u32,
-            1,
+            s.prefill_blocks_per_item() as u32,
+            split.splits as u32,
         );
         self.device
-            .launch(&self.prefill_attention, grid, ATTENTION_THREADS, &args)
+            .launch(&self.prefill_attention, grid, ATTENTION_THREADS, &args)?;
+        if split.splits == 1 {
+            return Ok(());
+        }
+        let args = Args::new()
+            .ptr(split.o_part)
+            .ptr(split.lse_part)
+            .ptr(a.out)
+            .u32(s.heads as u32)
+            .u32(s.head_dim as u32)
+            .u32(split.splits as u32);
+        let grid = (tokens as u32, s.heads as u32, 1);
+        let threads = s.head_dim.min(ATTENTION_THREADS as usize) as u32;
+        self.device
+            .launch(&self.merge_attention_splits, grid, threads, &args)
     }
 
     /// Picks a token for each of `rows` rows of `vocab` logits (overwritten), with the
@@ -453,6 +481,12 @@ impl AttnShape {
         PREFILL_ROWS / self.group().min(MAX_GROUP)
     }
 
+    /// Prefill attention blocks per work item and split: one per KV head and group of query
+    /// heads.
+    pub fn prefill_blocks_per_item(&self) -> usize {
+        self.kv_heads * self.group().div_ceil(MAX_GROUP)
+    }
+
     /// Decode attention blocks per row and split: one per KV head and group of query heads.
     pub fn decode_blocks_per_row(&self) -> usize {
         self.kv_heads * self.group().div_ceil(DECODE_GROUP)
@@ -524,12 +558,13 @@ pub struct Attention {
     pub out: DPtr<bf16>,
 }
 
-/// How decode attention splits each row's positions, and where partial results go.
+/// How attention splits each row's (decode) or work item's (prefill) positions, and where
+/// partial results go.
 pub struct Splits {
     pub splits: usize,
-    /// `[rows][heads][splits][head_dim]` normalized partial outputs.
+    /// `[rows or tokens][heads][splits][head_dim]` normalized partial outputs.
     pub o_part: DPtr<f32>,
-    /// `[rows][heads][splits]` log2-sum-exp of each split.
+    /// `[rows or tokens][heads][splits]` log2-sum-exp of each split.
     pub lse_part: DPtr<f32>,
     /// `[rows][decode blocks per row]` counters of finished splits, zero between launches.
     pub done: DPtr<u32>,

@@ -196,7 +196,7 @@ impl CudaBackend {
             page_tokens: options.page_tokens,
             dtype_bytes: 2,
         };
-        let (capacity, sizes) = step_sizes(&config, options);
+        let (capacity, sizes) = step_sizes(&config, options, device.multiprocessors as usize);
         let plan = MemoryPlan::new(&PlanInputs {
             device_name: device.name.clone(),
             total_bytes: device.total_bytes,
@@ -273,13 +273,7 @@ impl CudaBackend {
     }
 
     fn attn_shape(&self) -> AttnShape {
-        AttnShape {
-            heads: self.config.num_heads,
-            kv_heads: self.config.num_kv_heads,
-            head_dim: self.config.head_dim,
-            page_tokens: self.info.geometry.page_tokens,
-            window: self.config.sliding_window.unwrap_or(0),
-        }
+        attn_shape(&self.config, self.info.geometry.page_tokens)
     }
 
     fn forward(&self) -> Forward<'_> {
@@ -327,16 +321,28 @@ impl CudaBackend {
                 sample_params,
             },
         )?;
+        let shape = self.attn_shape();
+        let multiprocessors = self.device.multiprocessors as usize;
         let mode = if decode {
-            let splits =
-                forward::decode_splits(&self.device, layout.rows, self.config.num_kv_heads);
             AttentionMode::Decode {
                 rows: layout.rows,
-                splits,
+                splits: forward::decode_splits(
+                    multiprocessors,
+                    layout.rows,
+                    shape.decode_blocks_per_row(),
+                ),
             }
         } else {
+            let longest = plan.rows.iter().map(|r| r.end_pos()).max().unwrap_or(0);
             AttentionMode::Prefill {
                 items: layout.items,
+                splits: forward::prefill_splits(
+                    multiprocessors,
+                    layout.items * shape.prefill_blocks_per_item(),
+                    layout.tokens,
+                    longest,
+                    self.ws.sizes.split_pairs,
+                ),
             }
         };
         self.forward().run(layout.tokens, mode)?;
@@ -360,7 +366,11 @@ impl CudaBackend {
                 sample_params,
             },
         )?;
-        let splits = forward::decode_splits(&self.device, bucket, self.config.num_kv_heads);
+        let splits = forward::decode_splits(
+            self.device.multiprocessors as usize,
+            bucket,
+            self.attn_shape().decode_blocks_per_row(),
+        );
         // Out of `self` while replaying, so that `forward()` can borrow the rest of it.
         let mut graphs = self.graphs.take().expect("only called with graphs on");
         let forward = self.forward();
@@ -460,7 +470,11 @@ fn check_options(o: &CudaOptions) -> Result<()> {
 }
 
 /// The step capacity and workspace sizes `options` ask for.
-fn step_sizes(config: &ModelConfig, options: &CudaOptions) -> (MetaCapacity, WorkspaceSizes) {
+fn step_sizes(
+    config: &ModelConfig,
+    options: &CudaOptions,
+    multiprocessors: usize,
+) -> (MetaCapacity, WorkspaceSizes) {
     let rows = options.max_rows.min(options.max_step_tokens);
     let capacity = MetaCapacity {
         tokens: options
@@ -474,8 +488,23 @@ fn step_sizes(config: &ModelConfig, options: &CudaOptions) -> (MetaCapacity, Wor
         rows: capacity.rows,
         // Logits of every row at once (sampling, decode graphs); longer requests are chunked.
         logit_rows: capacity.rows.max(256).min(capacity.tokens),
+        split_pairs: forward::split_pairs(
+            multiprocessors,
+            capacity.rows,
+            attn_shape(config, options.page_tokens).decode_blocks_per_row(),
+        ),
     };
     (capacity, sizes)
+}
+
+fn attn_shape(config: &ModelConfig, page_tokens: usize) -> AttnShape {
+    AttnShape {
+        heads: config.num_heads,
+        kv_heads: config.num_kv_heads,
+        head_dim: config.head_dim,
+        page_tokens,
+        window: config.sliding_window.unwrap_or(0),
+    }
 }
 
 impl Backend for CudaBackend {
