@@ -92,3 +92,10 @@ __device__ u32 block_sum_u32(u32 v, u32* scratch) {
     for (u32 w = 0; w < warps; ++w) total += scratch[w];
     return total;
 }
+
+// Starts copying 16 bytes from global to shared memory (L2 only); waited for with
+// cp.async.commit_group / wait_group.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem));
+}

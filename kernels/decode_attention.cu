@@ -4,13 +4,14 @@
 // A block serves one row, one KV head, up to DECODE_GROUP of the query heads sharing it, and
 // one split of the row's positions, so each K and V row is read once for all those heads.
 // Within a warp, D/8 lanes share a key (16 bytes of it each) and the warp covers 32/(D/8) keys
-// at a time, loading the next keys while it computes with the current ones; every lane group
-// keeps its own online softmax, merged across the warp and then the block at the end.
+// at a time, two such steps at once, loading the next two while it computes with the current
+// ones; every lane group keeps its own online softmax, merged across the warp and then the block
+// at the end.
 //
 // The new token's q, k and v come straight from the q/k/v projection: the bias is added and q
 // and k rotated here (lanes holding dimension i and i + D/2 swap halves with a shuffle). The
-// split holding the token's position uses its k and v from registers and stores them into the
-// paged cache for later steps; no other block of the launch reads that slot.
+// blocks of the split holding the token's position store its k and v into the paged cache
+// first, then read that position like any other.
 //
 // With one split a block writes the bf16 output. With several, each writes its normalized
 // partial output and log-sum-exp, and the last block of a (row, head group) to finish, told by
@@ -26,6 +27,10 @@
 #define MIN_SPLIT_KEYS 64
 // Query heads per block: each costs 16 registers a lane, and occupancy hides memory latency.
 #define DECODE_GROUP 4
+// Blocks a multiprocessor must be able to hold (caps the registers a thread may use).
+#ifndef DECODE_MIN_BLOCKS
+#define DECODE_MIN_BLOCKS 4
+#endif
 
 struct DecodeRow {
     u32 token;  // index of the new token in the step (its q/k/v row and output row)
@@ -188,60 +193,68 @@ __device__ void decode_attention(const DecodeArgs& a) {
             for (int i = 0; i < 8; ++i) q[h][i] *= a.scale_log2;
         }
     }
-    // The new token's k and v, rounded as the cache will hold them.
+    // The new token's k and v, rounded as the cache will hold them, stored before any block
+    // reads its position. Every head group's block of the split holding it stores the same
+    // bytes, so the order among blocks does not matter; the barrier orders this block's reads.
     float kc[8], vc[8];
     new_head(tok, a.bias, (a.heads + kvh) * D + part * 8, cs, sn, LPK / 2, low, false, kc);
     new_head(tok, a.bias, (a.heads + a.kv_heads + kvh) * D + part * 8, cs, sn, LPK / 2, low, true, vc);
-    uint4 k_bits = pack8(kc), v_bits = pack8(vc);
-    unpack8(k_bits, kc);
-    unpack8(v_bits, vc);
     const u32* table = a.page_table + (u64)r * a.table_stride;
+    // Pages hold a power of two of positions in every shipped configuration: shifts then.
+    bool pow2 = (a.page_tokens & (a.page_tokens - 1)) == 0;
+    u32 page_shift = __ffs(a.page_tokens) - 1;
     auto at = [&](u32 k) {
-        u64 slot = (u64)table[k / a.page_tokens] * a.page_tokens + k % a.page_tokens;
+        u32 page = pow2 ? k >> page_shift : k / a.page_tokens;
+        u32 within = pow2 ? k & (a.page_tokens - 1) : k % a.page_tokens;
+        u64 slot = (u64)table[page] * a.page_tokens + within;
         return (slot * a.kv_heads + kvh) * D + part * 8;
     };
-    if (row.begin <= row.pos && row.pos < row.end && chunk == 0 && warp == 0 && sub == 0) {
-        *(uint4*)(a.k_cache + at(row.pos)) = k_bits;
-        *(uint4*)(a.v_cache + at(row.pos)) = v_bits;
+    if (row.begin <= row.pos && row.pos < row.end && warp == 0 && sub == 0) {
+        *(uint4*)(a.k_cache + at(row.pos)) = pack8(kc);
+        *(uint4*)(a.v_cache + at(row.pos)) = pack8(vc);
     }
-    uint4 k_next = make_uint4(0, 0, 0, 0), v_next = k_next;
+    __syncthreads();
+    // A lane group takes two keys a step, STEP apart, and loads the next two while it computes
+    // with these: both keys' scores are folded into the online softmax at once.
+    uint4 k_ring[2] = {}, v_ring[2] = {};
+    auto fetch = [&](u32 k, uint4& kb, uint4& vb) {
+        if (k < row.end) {
+            kb = *(const uint4*)(a.k_cache + at(k));
+            vb = *(const uint4*)(a.v_cache + at(k));
+        }
+    };
     u32 first = row.begin + warp * KPW + sub;
-    if (first < row.end && first != row.pos) {
-        k_next = *(const uint4*)(a.k_cache + at(first));
-        v_next = *(const uint4*)(a.v_cache + at(first));
-    }
-    for (u32 k0 = row.begin + warp * KPW; k0 < row.end; k0 += STEP) {
+    fetch(first, k_ring[0], v_ring[0]);
+    fetch(first + STEP, k_ring[1], v_ring[1]);
+    for (u32 k0 = row.begin + warp * KPW; k0 < row.end; k0 += 2 * STEP) {
         u32 k = k0 + sub;
-        bool valid = k < row.end;
-        uint4 k_bits_now = k_next, v_bits_now = v_next;
-        if (k + STEP < row.end && k + STEP != row.pos) {
-            k_next = *(const uint4*)(a.k_cache + at(k + STEP));
-            v_next = *(const uint4*)(a.v_cache + at(k + STEP));
-        }
-        float kf[8], vf[8];
-        if (k == row.pos) {
+        float kf[2][8], vf[2][8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) kf[i] = kc[i], vf[i] = vc[i];
-        } else {
-            unpack8(k_bits_now, kf);
-            unpack8(v_bits_now, vf);
+        for (int i = 0; i < 2; ++i) {
+            unpack8(k_ring[i], kf[i]);
+            unpack8(v_ring[i], vf[i]);
+            fetch(k + (2 + i) * STEP, k_ring[i], v_ring[i]);
         }
+        bool valid[2] = {k < row.end, k + STEP < row.end};
 #pragma unroll
         for (int h = 0; h < DECODE_GROUP; ++h) {
-            if (h < g) {
-                float s = 0.f;
+            float sc[2];
 #pragma unroll
-                for (int i = 0; i < 8; ++i) s += q[h][i] * kf[i];
+            for (int i = 0; i < 2; ++i) {
+                sc[i] = 0.f;
 #pragma unroll
-                for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-                if (valid) {
-                    float mx = fmaxf(m[h], s), al = exp2f(m[h] - mx), p = exp2f(s - mx);
-                    l[h] = l[h] * al + p;
+                for (int j = 0; j < 8; ++j) sc[i] += q[h][j] * kf[i][j];
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[h][i] = acc[h][i] * al + p * vf[i];
-                    m[h] = mx;
-                }
+                for (int o = LPK / 2; o > 0; o >>= 1) sc[i] += __shfl_xor_sync(0xffffffffu, sc[i], o);
+                if (!valid[i]) sc[i] = NEG_INF;
             }
+            float mx = fmaxf(m[h], fmaxf(sc[0], sc[1]));
+            if (mx == NEG_INF) continue;
+            float al = exp2f(m[h] - mx), p0 = exp2f(sc[0] - mx), p1 = exp2f(sc[1] - mx);
+            l[h] = l[h] * al + p0 + p1;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[h][j] = acc[h][j] * al + p0 * vf[0][j] + p1 * vf[1][j];
+            m[h] = mx;
         }
     }
     // Merge the lane groups of the warp: lanes with the same `part` hold the same dimensions.
@@ -296,8 +309,9 @@ __device__ void decode_attention(const DecodeArgs& a) {
 }
 
 #define DECODE_ENTRY(D)                                                                           \
-    extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32) decode_attention_d##D(       \
-        const bf16* qkv, const bf16* bias, const float* inv_freq, bf16* k_cache, bf16* v_cache,   \
+    extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32, DECODE_MIN_BLOCKS)          \
+        decode_attention_d##D(                                                                    \
+            const bf16* qkv, const bf16* bias, const float* inv_freq, bf16* k_cache, bf16* v_cache,   \
         const u32* page_table, u32 table_stride, const u32* row_start_token,                      \
         const u32* row_start_pos, u32 heads, u32 kv_heads, u32 page_tokens, u32 window,           \
         float scale_log2, bf16* out, float* o_part, float* lse_part, u32* done, u32 splits) {      \

@@ -4,9 +4,10 @@
 // A block takes one work item (a row and up to PREFILL_ROWS / group of its consecutive query
 // tokens), one KV head and up to MAX_GROUP query heads sharing it: its 64 query rows are
 // (token, head) pairs, so grouped heads share every K and V tile. Tiles of 64 key positions are
-// gathered from the row's pages into shared memory (cp.async, zero-filled past the end), then
-// each warp runs S = Q·Kᵀ and O += P·V for its 16 query rows with bf16 mma.sync (fp32
-// accumulate) and an online softmax in registers. The keys are every position the row's pages
+// gathered from the row's pages into shared memory (cp.async, zero-filled past the end), the
+// next tile's copy in flight while the current one is used; each warp runs S = Q·Kᵀ and
+// O += P·V for its 16 query rows with bf16 mma.sync (fp32 accumulate, operands read from shared
+// memory by ldmatrix, V transposed on the way) and an online softmax in registers. The keys are every position the row's pages
 // hold up to the query: a restored prefix and this step's tokens alike (their K and V are
 // appended before attention runs).
 //
@@ -18,6 +19,13 @@
 #define PREFILL_WARPS 4
 #define PREFILL_ROWS 64
 #define KEY_TILE 64
+// K and V tiles in flight: the kernel's dynamic shared memory is PREFILL_STAGES · 2 tiles of
+// KEY_TILE × (D + 8) bf16 (the engine's prefill_shared_bytes).
+#define PREFILL_STAGES 2
+// Blocks a multiprocessor must be able to hold (caps the registers a thread may use).
+#ifndef PREFILL_MIN_BLOCKS
+#define PREFILL_MIN_BLOCKS 2
+#endif
 
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
     asm volatile(
@@ -27,9 +35,27 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    u32 dst = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem));
+// Four 8×8 bf16 matrices from shared memory, rows addressed by lanes 0-7, 8-15, 16-23, 24-31.
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const bf16* smem) {
+    u32 at = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(at));
+}
+
+__device__ __forceinline__ void ldmatrix_x2(u32* r, const bf16* smem) {
+    u32 at = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(at));
+}
+
+// The same, each matrix transposed.
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const bf16* smem) {
+    u32 at = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(at));
 }
 
 __device__ __forceinline__ u32 window_start(u32 pos, u32 window) {
@@ -55,9 +81,10 @@ __device__ __forceinline__ QueryRow query_row(u32 m, u32 g, u32 n_tok, u32 first
     return q;
 }
 
-// Gathers positions k0..k0+KEY_TILE of one KV head into shared memory; rows past `last` are 0.
+// Starts gathering positions k0..k0+KEY_TILE of one KV head into shared memory (one cp.async
+// group); rows past `last` are 0.
 template <int D>
-__device__ __forceinline__ void load_kv_tile(bf16* ks, bf16* vs, const bf16* k_cache,
+__device__ __forceinline__ void issue_kv_tile(bf16* ks, bf16* vs, const bf16* k_cache,
                                              const bf16* v_cache, const u32* table, u32 page_tokens,
                                              u32 kv_heads, u32 kvh, u32 k0, u32 last) {
     constexpr int STRIDE = D + 8, CHUNKS = D / 8;
@@ -76,7 +103,6 @@ __device__ __forceinline__ void load_kv_tile(bf16* ks, bf16* vs, const bf16* k_c
         }
     }
     asm volatile("cp.async.commit_group;");
-    asm volatile("cp.async.wait_group 0;");
 }
 
 template <int D>
@@ -90,9 +116,8 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
                                   u32 heads, u32 kv_heads, u32 page_tokens, u32 window,
                                   float scale_log2, bf16* __restrict__ out, u32 splits,
                                   float* __restrict__ o_part, float* __restrict__ lse_part) {
-    constexpr int STRIDE = D + 8, KS = D / 16, NT = D / 8;
-    __shared__ __align__(16) bf16 ks[KEY_TILE * STRIDE];
-    __shared__ __align__(16) bf16 vs[KEY_TILE * STRIDE];
+    constexpr int STRIDE = D + 8, KS = D / 16, NT = D / 8, TILE = KEY_TILE * STRIDE;
+    extern __shared__ __align__(16) bf16 prefill_tiles[];  // [stage][K, V][TILE]
 
     u32 group = heads / kv_heads, chunks = (group + MAX_GROUP - 1) / MAX_GROUP;
     u32 kvh = blockIdx.y / chunks, chunk = blockIdx.y % chunks;
@@ -130,20 +155,52 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
     u32 tiles = (last_pos - keys_lo) / KEY_TILE + 1, per = (tiles + splits - 1) / splits;
     u32 keys_begin = keys_lo + blockIdx.z * per * KEY_TILE;
     u32 keys_end = min(keys_begin + per * KEY_TILE, last_pos + 1);
-    for (u32 k0 = keys_begin; k0 < keys_end; k0 += KEY_TILE) {
-        __syncthreads();
-        load_kv_tile<D>(ks, vs, k_cache, v_cache, table, page_tokens, kv_heads, kvh, k0, last_pos);
+    u32 n_tiles = keys_end > keys_begin ? (keys_end - keys_begin + KEY_TILE - 1) / KEY_TILE : 0;
+    if (n_tiles > 0)
+        issue_kv_tile<D>(prefill_tiles, prefill_tiles + TILE, k_cache, v_cache, table, page_tokens,
+                         kv_heads, kvh, keys_begin, last_pos);
+    for (u32 t = 0; t < n_tiles; ++t) {
+        u32 k0 = keys_begin + t * KEY_TILE;
+        const bf16* ks = prefill_tiles + (t % PREFILL_STAGES) * 2 * TILE;
+        const bf16* vs = ks + TILE;
+        // The stage the next tile goes to was last read in the iteration before this one,
+        // which every warp has left (the barrier at its end).
+        if (t + 1 < n_tiles) {
+            bf16* next = prefill_tiles + ((t + 1) % PREFILL_STAGES) * 2 * TILE;
+            issue_kv_tile<D>(next, next + TILE, k_cache, v_cache, table, page_tokens, kv_heads,
+                             kvh, k0 + KEY_TILE, last_pos);
+            asm volatile("cp.async.wait_group 1;");
+        } else {
+            asm volatile("cp.async.wait_group 0;");
+        }
         __syncthreads();
         float s[KEY_TILE / 8][4];
 #pragma unroll
         for (int n = 0; n < KEY_TILE / 8; ++n) {
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-            const bf16* krow = ks + (n * 8 + gid) * STRIDE + tig * 2;
+            // Lanes 8i..8i+7 address matrix i: keys n·8.., dims (kk + i/2)·16 + (i%2)·8.
+            const bf16* krow = ks + (n * 8 + (lane & 7)) * STRIDE + ((lane >> 3) & 1) * 8;
+            if constexpr (KS % 2 == 0) {
 #pragma unroll
-            for (int kk = 0; kk < KS; ++kk)
-                mma_bf16(s[n], qa[kk], *(const u32*)(krow + kk * 16), *(const u32*)(krow + kk * 16 + 8));
+                for (int kk = 0; kk < KS; kk += 2) {
+                    u32 b[4];
+                    ldmatrix_x4(b, krow + (kk + (lane >> 4)) * 16);
+                    mma_bf16(s[n], qa[kk], b[0], b[1]);
+                    mma_bf16(s[n], qa[kk + 1], b[2], b[3]);
+                }
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < KS; ++kk) {
+                    u32 b[2];
+                    ldmatrix_x2(b, krow + kk * 16);
+                    mma_bf16(s[n], qa[kk], b[0], b[1]);
+                }
+            }
         }
-        // Mask, scale, and the online softmax of this thread's two rows (shared by a quad).
+        // Mask, scale, and the online softmax of this thread's two rows (shared by a quad). A
+        // tile every query row sees whole (below the diagonal, inside every row's window) needs
+        // no mask.
+        bool whole = k0 + KEY_TILE <= first_pos + 1 && k0 >= window_start(last_pos, window);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const QueryRow& q = rows[half];
@@ -154,7 +211,7 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     u32 key = k0 + n * 8 + tig * 2 + e;
-                    bool visible = q.valid && key <= q.pos && key >= lo;
+                    bool visible = whole || (q.valid && key <= q.pos && key >= lo);
                     float v = visible ? s[n][half * 2 + e] * scale_log2 : NEG_INF;
                     s[n][half * 2 + e] = v;
                     mx = fmaxf(mx, v);
@@ -181,21 +238,23 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
 #pragma unroll
             for (int n = 0; n < NT; ++n) o[n][half * 2] *= alpha, o[n][half * 2 + 1] *= alpha;
         }
-        // O += P·V, P re-packed from the S accumulators as the A operand (16 keys per step).
+        // O += P·V, P re-packed from the S accumulators as the A operand (16 keys per step), V
+        // read transposed: matrix i holds keys j·16 + (i%2)·8.., dims (n + i/2)·8...
 #pragma unroll
         for (int j = 0; j < KEY_TILE / 16; ++j) {
             u32 pa[4] = {pack_bf16x2(s[2 * j][0], s[2 * j][1]), pack_bf16x2(s[2 * j][2], s[2 * j][3]),
                          pack_bf16x2(s[2 * j + 1][0], s[2 * j + 1][1]),
                          pack_bf16x2(s[2 * j + 1][2], s[2 * j + 1][3])};
-            const bf16* v0 = vs + (j * 16 + tig * 2) * STRIDE + gid;
+            const bf16* vrow = vs + (j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + (lane >> 4) * 8;
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const bf16* v = v0 + n * 8;
-                u32 b0 = (u32)v[0] | ((u32)v[STRIDE] << 16);
-                u32 b1 = (u32)v[8 * STRIDE] | ((u32)v[9 * STRIDE] << 16);
-                mma_bf16(o[n], pa, b0, b1);
+            for (int n = 0; n < NT; n += 2) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, vrow + n * 8);
+                mma_bf16(o[n], pa, b[0], b[1]);
+                mma_bf16(o[n + 1], pa, b[2], b[3]);
             }
         }
+        __syncthreads();
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -239,7 +298,7 @@ extern "C" __global__ void merge_attention_splits(const float* __restrict__ o_pa
 }
 
 #define PREFILL_ENTRY(D)                                                                          \
-    extern "C" __global__ void __launch_bounds__(PREFILL_WARPS * 32)                              \
+    extern "C" __global__ void __launch_bounds__(PREFILL_WARPS * 32, PREFILL_MIN_BLOCKS)          \
         prefill_attention_d##D(const bf16* qkv, u32 qkv_stride, const bf16* k_cache,              \
                                const bf16* v_cache, const u32* page_table, u32 table_stride,      \
                                const u32* row_start_token, const u32* row_start_pos,              \

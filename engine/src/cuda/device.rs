@@ -12,7 +12,7 @@ use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use cudarc::driver::sys::{self, CUdeviceptr};
+use cudarc::driver::sys::{self, CUdeviceptr, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, result};
 
 use crate::error::{EngineError, Result};
@@ -114,6 +114,19 @@ impl Device {
         block: u32,
         args: &Args,
     ) -> Result<()> {
+        self.launch_with_shared(func, grid, block, 0, args)
+    }
+
+    /// [`Device::launch`] with `shared_bytes` of dynamic shared memory a block (above 48 KiB
+    /// the function must have been allowed them, see [`Device::allow_shared`]).
+    pub fn launch_with_shared(
+        &self,
+        func: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared_bytes: u32,
+        args: &Args,
+    ) -> Result<()> {
         let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
         for (param, word) in params.iter_mut().zip(&args.words[..args.len]) {
             *param = word as *const u64 as *mut c_void;
@@ -125,11 +138,20 @@ impl Device {
                 func.cu_function(),
                 grid,
                 (block, 1, 1),
-                0,
+                shared_bytes,
                 self.stream.cu_stream(),
                 &mut params[..args.len],
             )
         }?;
+        Ok(())
+    }
+
+    /// Lets `func` take up to `bytes` of dynamic shared memory a block.
+    pub fn allow_shared(&self, func: &CudaFunction, bytes: usize) -> Result<()> {
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )?;
         Ok(())
     }
 

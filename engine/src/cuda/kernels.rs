@@ -57,6 +57,17 @@ pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
 /// Query rows (token × head pairs) of one prefill attention block (`PREFILL_ROWS`).
 const PREFILL_ROWS: usize = 64;
+/// Key positions of one prefill attention tile (`KEY_TILE`), and tiles in flight
+/// (`PREFILL_STAGES`).
+const KEY_TILE: usize = 64;
+const PREFILL_STAGES: usize = 2;
+
+/// Dynamic shared memory of one prefill attention block: K and V tiles of every stage, rows
+/// padded by 8 elements.
+fn prefill_shared_bytes(head_dim: usize) -> usize {
+    PREFILL_STAGES * 2 * KEY_TILE * (head_dim + 8) * 2
+}
+
 /// Query heads one prefill attention block serves (`MAX_GROUP`).
 const MAX_GROUP: usize = 8;
 /// Query heads one decode attention block serves (`DECODE_GROUP`).
@@ -86,12 +97,28 @@ fn row_threads(chunks: usize) -> u32 {
     chunks.next_multiple_of(32).clamp(32, 1024) as u32
 }
 
+/// Names a folder whose `.cu` / `.cuh` files replace the built-in ones of the same name: kernel
+/// work on a machine without cargo (edit a kernel, rerun the same binary).
+pub const KERNEL_DIR_ENV: &str = "SNAPSERVE_KERNEL_DIR";
+
 /// The whole program's source, each file after a `#line` marker.
-fn program_source() -> String {
-    SOURCES
-        .iter()
-        .map(|(name, text)| format!("#line 1 \"{name}\"\n{text}\n"))
-        .collect()
+fn program_source() -> Result<String> {
+    let dir = std::env::var_os(KERNEL_DIR_ENV).map(std::path::PathBuf::from);
+    let mut program = String::new();
+    for (name, text) in SOURCES {
+        let text = match &dir {
+            Some(dir) if dir.join(name).exists() => {
+                let path = dir.join(name);
+                tracing::warn!("kernel source {} from {KERNEL_DIR_ENV}", path.display());
+                std::fs::read_to_string(&path).map_err(|e| {
+                    EngineError::KernelCompile(format!("reading {}: {e}", path.display()))
+                })?
+            }
+            _ => text.to_string(),
+        };
+        program.push_str(&format!("#line 1 \"{name}\"\n{text}\n"));
+    }
+    Ok(program)
 }
 
 /// Compiles the kernels for `arch` (e.g. `sm_90`), or returns the PTX compiled earlier in this
@@ -111,7 +138,7 @@ pub fn compile(arch: &str) -> Result<Ptx> {
         ..Default::default()
     };
     let ptx =
-        cudarc::nvrtc::compile_ptx_with_opts(program_source(), options).map_err(|e| match e {
+        cudarc::nvrtc::compile_ptx_with_opts(program_source()?, options).map_err(|e| match e {
             cudarc::nvrtc::CompileError::CompileError { log, .. } => {
                 EngineError::KernelCompile(log.to_string_lossy().into_owned())
             }
@@ -151,6 +178,8 @@ impl Kernels {
         device.bind()?;
         let module = device.context().load_module(compile(&device.arch())?)?;
         let f = |name: &str| module.load_function(name);
+        let prefill_attention = f(&format!("prefill_attention_d{head_dim}"))?;
+        device.allow_shared(&prefill_attention, prefill_shared_bytes(head_dim))?;
         Ok(Kernels {
             embed_tokens: f("embed_tokens")?,
             add_rms_norm: f("add_rms_norm")?,
@@ -158,7 +187,7 @@ impl Kernels {
             gemv: [f("gemv_t1")?, f("gemv_t2")?, f("gemv_t4")?, f("gemv_t8")?],
             rope_kv_append: f("rope_kv_append")?,
             decode_attention: f(&format!("decode_attention_d{head_dim}"))?,
-            prefill_attention: f(&format!("prefill_attention_d{head_dim}"))?,
+            prefill_attention,
             merge_attention_splits: f("merge_attention_splits")?,
             sample_rows: f("sample_rows")?,
             gather_pages: f("gather_pages")?,
@@ -335,8 +364,14 @@ impl Kernels {
             s.prefill_blocks_per_item() as u32,
             split.splits as u32,
         );
-        self.device
-            .launch(&self.prefill_attention, grid, ATTENTION_THREADS, &args)?;
+        let shared = prefill_shared_bytes(s.head_dim) as u32;
+        self.device.launch_with_shared(
+            &self.prefill_attention,
+            grid,
+            ATTENTION_THREADS,
+            shared,
+            &args,
+        )?;
         if split.splits == 1 {
             return Ok(());
         }
