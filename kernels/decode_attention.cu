@@ -1,17 +1,21 @@
 // Attention for rows of one new token each (decode), fused with that token's rotary embedding
-// and KV append, grouped-query aware and split over the sequence.
+// and KV append, grouped-query aware, on the tensor cores, and split over the sequence.
 //
 // A block serves one row, one KV head, up to DECODE_GROUP of the query heads sharing it, and
-// one split of the row's positions, so each K and V row is read once for all those heads.
-// Within a warp, D/8 lanes share a key (16 bytes of it each) and the warp covers 32/(D/8) keys
-// at a time, two such steps at once, loading the next two while it computes with the current
-// ones; every lane group keeps its own online softmax, merged across the warp and then the block
-// at the end.
+// one split of the row's positions, so each K and V row is read once for all those heads. The
+// heads are the rows of an m16n8k16 A operand (the rest of its 16 rows zero): tiles of
+// KEY_TILE positions are gathered into shared memory with prefill attention's loader (the
+// next tile's cp.async in flight), each warp takes 16 keys of a tile, and Q·Kᵀ and P·V are a
+// few mma.sync a warp, so the block's time is its loads. Every warp keeps its own online
+// softmax, merged across the block at the end. (A lane-per-dimension version on the CUDA cores
+// spent as long on its shuffles and softmax as on its loads: 62% of the copy bandwidth at batch
+// 256, where this one is bound by the loads.)
 //
 // The new token's q, k and v come straight from the q/k/v projection: the bias is added and q
-// and k rotated here (lanes holding dimension i and i + D/2 swap halves with a shuffle). The
-// blocks of the split holding the token's position store its k and v into the paged cache
-// first, then read that position like any other.
+// and k rotated here (lanes holding dimension i and i + D/2 swap halves with a shuffle), q
+// rounded to bf16 as prefill attention reads it. The blocks of the split holding the token's
+// position store its k and v into the paged cache first, then read that position like any
+// other.
 //
 // With one split a block writes the bf16 output. With several, each writes its normalized
 // partial output and log-sum-exp, and the last block of a (row, head group) to finish, told by
@@ -21,15 +25,17 @@
 
 #define DECODE_WARPS 4
 // Most splits a launch may have (the engine's MAX_SPLITS), and the fewest positions a split
-// takes: a short row uses fewer splits than launched, whose merge then costs less. One row of
-// 32k positions takes 128 splits of 250 to fill an H200's multiprocessors several times over.
+// takes: a short row uses fewer splits than launched, whose merge then costs less, and a split
+// of 4 tiles keeps a copy in flight behind each one computed (8B, batch 1 × 8,192 positions:
+// 6.05 ms a step with splits of 64, 5.02 with 256).
 #define MAX_SPLITS 128
-#define MIN_SPLIT_KEYS 64
-// Query heads per block: each costs 16 registers a lane, and occupancy hides memory latency.
+#define MIN_SPLIT_KEYS 256
+// Query heads per block (rows of the mma's A operand used).
 #define DECODE_GROUP 4
-// Blocks a multiprocessor must be able to hold (caps the registers a thread may use).
+// Blocks a multiprocessor must be able to hold (caps the registers a thread may use); the
+// tiles' shared memory holds it to two anyway.
 #ifndef DECODE_MIN_BLOCKS
-#define DECODE_MIN_BLOCKS 4
+#define DECODE_MIN_BLOCKS 2
 #endif
 
 struct DecodeRow {
@@ -68,7 +74,8 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float* acc, floa
 }
 
 // This lane's 8 dimensions of one head of the new token: bias added, and rotated unless `v`.
-// Lanes `half_lanes` apart hold dimensions i and i + D/2.
+// Lanes `half_lanes` apart hold dimensions i and i + D/2; every lane of the warp must call this
+// (the rotation's shuffles), `v` or not.
 __device__ __forceinline__ void new_head(const bf16* row, const bf16* bias, u32 at, const float* cs,
                                          const float* sn, u32 half_lanes, bool low, bool v,
                                          float* out) {
@@ -79,11 +86,10 @@ __device__ __forceinline__ void new_head(const bf16* row, const bf16* bias, u32 
 #pragma unroll
         for (int i = 0; i < 8; ++i) out[i] += b[i];
     }
-    if (v) return;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         float other = __shfl_xor_sync(0xffffffffu, out[i], half_lanes);
-        out[i] = low ? out[i] * cs[i] - other * sn[i] : out[i] * cs[i] + other * sn[i];
+        if (!v) out[i] = low ? out[i] * cs[i] - other * sn[i] : out[i] * cs[i] + other * sn[i];
     }
 }
 
@@ -159,12 +165,14 @@ __device__ void combine_splits(const DecodeArgs& a, u32 r, u32 head0, u32 g, u32
 
 template <int D>
 __device__ void decode_attention(const DecodeArgs& a) {
-    constexpr int LPK = D / 8;     // lanes per key
-    constexpr int KPW = 32 / LPK;  // keys per warp step
-    constexpr int STEP = DECODE_WARPS * KPW;
+    constexpr int LPK = D / 8;  // lanes per head in the prologue, 8 dimensions each
+    constexpr int STRIDE = D + 8, KS = D / 16, NT = D / 8, TILE = KEY_TILE * STRIDE;
+    constexpr int WARP_KEYS = KEY_TILE / DECODE_WARPS;  // 16: one mma k-step of P·V
     __shared__ float s_m[DECODE_WARPS][DECODE_GROUP], s_l[DECODE_WARPS][DECODE_GROUP];
     __shared__ float s_acc[DECODE_WARPS][DECODE_GROUP][D];
+    __shared__ __align__(16) bf16 s_q[16 * STRIDE];
     __shared__ bool s_last;
+    extern __shared__ __align__(16) bf16 decode_tiles[];  // [stage][K, V][TILE]
 
     u32 group = a.heads / a.kv_heads, chunks = (group + DECODE_GROUP - 1) / DECODE_GROUP;
     u32 kvh = blockIdx.y / chunks, chunk = blockIdx.y % chunks;
@@ -173,109 +181,130 @@ __device__ void decode_attention(const DecodeArgs& a) {
     u32 split = blockIdx.x, r = blockIdx.z;
     DecodeRow row = decode_row(a.row_start_token, a.row_start_pos, a.window, split, a.splits);
     if (split >= row.used) return;
-    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / LPK, part = lane % LPK;
-
-    float cs[8], sn[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) sincosf((float)row.pos * a.inv_freq[(part * 8 + i) % (D / 2)], &sn[i], &cs[i]);
-    bool low = part < LPK / 2;
-    const bf16* tok = a.qkv + (u64)row.token * (a.heads + 2 * a.kv_heads) * D;
-    float q[DECODE_GROUP][8], acc[DECODE_GROUP][8], m[DECODE_GROUP], l[DECODE_GROUP];
-#pragma unroll
-    for (int h = 0; h < DECODE_GROUP; ++h) {
-        m[h] = NEG_INF;
-        l[h] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[h][i] = 0.f, q[h][i] = 0.f;
-        if (h < g) {
-            new_head(tok, a.bias, (head0 + h) * D + part * 8, cs, sn, LPK / 2, low, false, q[h]);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) q[h][i] *= a.scale_log2;
-        }
-    }
-    // The new token's k and v, rounded as the cache will hold them, stored before any block
-    // reads its position. Every head group's block of the split holding it stores the same
-    // bytes, so the order among blocks does not matter; the barrier orders this block's reads.
-    float kc[8], vc[8];
-    new_head(tok, a.bias, (a.heads + kvh) * D + part * 8, cs, sn, LPK / 2, low, false, kc);
-    new_head(tok, a.bias, (a.heads + a.kv_heads + kvh) * D + part * 8, cs, sn, LPK / 2, low, true, vc);
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
     const u32* table = a.page_table + (u64)r * a.table_stride;
-    // Pages hold a power of two of positions in every shipped configuration: shifts then.
-    bool pow2 = (a.page_tokens & (a.page_tokens - 1)) == 0;
-    u32 page_shift = __ffs(a.page_tokens) - 1;
-    auto at = [&](u32 k) {
-        u32 page = pow2 ? k >> page_shift : k / a.page_tokens;
-        u32 within = pow2 ? k & (a.page_tokens - 1) : k % a.page_tokens;
-        u64 slot = (u64)table[page] * a.page_tokens + within;
-        return (slot * a.kv_heads + kvh) * D + part * 8;
-    };
-    if (row.begin <= row.pos && row.pos < row.end && warp == 0 && sub == 0) {
-        *(uint4*)(a.k_cache + at(row.pos)) = pack8(kc);
-        *(uint4*)(a.v_cache + at(row.pos)) = pack8(vc);
+
+    // Prologue: lane groups of LPK threads each take one of the g query heads (rotated, rounded
+    // to bf16 into the rows of s_q), the new k (rotated) or the new v. The blocks of the split
+    // holding the token's position store k and v into the paged cache before any tile is read;
+    // every head group's block stores the same bytes, so their order does not matter.
+    {
+        u32 unit = threadIdx.x / LPK, part = threadIdx.x % LPK;
+        float cs[8], sn[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sincosf((float)row.pos * a.inv_freq[(part * 8 + i) % (D / 2)], &sn[i], &cs[i]);
+        const bf16* tok = a.qkv + (u64)row.token * (a.heads + 2 * a.kv_heads) * D;
+        bool is_v = unit == g + 1;
+        u32 col = unit < g ? (head0 + unit) * D : (unit == g ? a.heads + kvh : a.heads + a.kv_heads + kvh) * D;
+        if (unit > g + 1) col = 0;  // idle lanes still join new_head's shuffles
+        float x[8];
+        new_head(tok, a.bias, col + part * 8, cs, sn, LPK / 2, part < LPK / 2, is_v, x);
+        uint4 bits = pack8(x);
+        if (unit < g) *(uint4*)(s_q + unit * STRIDE + part * 8) = bits;
+        if (unit >= g && unit <= g + 1 && row.begin <= row.pos && row.pos < row.end) {
+            u64 slot = (u64)table[row.pos / a.page_tokens] * a.page_tokens + row.pos % a.page_tokens;
+            bf16* cache = unit == g ? a.k_cache : a.v_cache;
+            *(uint4*)(cache + (slot * a.kv_heads + kvh) * D + part * 8) = bits;
+        }
+        for (u32 i = threadIdx.x; i < (16 - g) * (D / 8); i += blockDim.x)
+            *(uint4*)(s_q + (g + i / (D / 8)) * STRIDE + (i % (D / 8)) * 8) = make_uint4(0, 0, 0, 0);
     }
     __syncthreads();
-    // A lane group takes two keys a step, STEP apart, and loads the next two while it computes
-    // with these: both keys' scores are folded into the online softmax at once.
-    uint4 k_ring[2] = {}, v_ring[2] = {};
-    auto fetch = [&](u32 k, uint4& kb, uint4& vb) {
-        if (k < row.end) {
-            kb = *(const uint4*)(a.k_cache + at(k));
-            vb = *(const uint4*)(a.v_cache + at(k));
+
+    // The query heads as the A operand of m16n8k16 (rows g..15 zero), for every k-step.
+    u32 qa[KS][4];
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+        ldmatrix_x4(qa[kk], s_q + ((lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + kk * 16 + (lane >> 4) * 8);
+
+    // Tiles of KEY_TILE keys go through shared memory as in prefill attention, the next one's
+    // copy in flight; each warp takes 16 keys of a tile with its own online softmax, so the
+    // whole tile's scores and P·V are a few tensor-core instructions a warp.
+    float o[NT][4], m = NEG_INF, l = 0.f;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    u32 n_tiles = (row.end - row.begin + KEY_TILE - 1) / KEY_TILE;
+    issue_kv_tile<D>(decode_tiles, decode_tiles + TILE, a.k_cache, a.v_cache, table, a.page_tokens,
+                     a.kv_heads, kvh, row.begin, row.end - 1);
+    for (u32 t = 0; t < n_tiles; ++t) {
+        u32 k0 = row.begin + t * KEY_TILE;
+        const bf16* ks = decode_tiles + (t % PREFILL_STAGES) * 2 * TILE;
+        const bf16* vs = ks + TILE;
+        if (t + 1 < n_tiles) {
+            bf16* next = decode_tiles + ((t + 1) % PREFILL_STAGES) * 2 * TILE;
+            issue_kv_tile<D>(next, next + TILE, a.k_cache, a.v_cache, table, a.page_tokens,
+                             a.kv_heads, kvh, k0 + KEY_TILE, row.end - 1);
+            asm volatile("cp.async.wait_group 1;");
+        } else {
+            asm volatile("cp.async.wait_group 0;");
         }
-    };
-    u32 first = row.begin + warp * KPW + sub;
-    fetch(first, k_ring[0], v_ring[0]);
-    fetch(first + STEP, k_ring[1], v_ring[1]);
-    for (u32 k0 = row.begin + warp * KPW; k0 < row.end; k0 += 2 * STEP) {
-        u32 k = k0 + sub;
-        float kf[2][8], vf[2][8];
+        __syncthreads();
+        u32 wk = warp * WARP_KEYS;
+        float s[2][4];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            unpack8(k_ring[i], kf[i]);
-            unpack8(v_ring[i], vf[i]);
-            fetch(k + (2 + i) * STEP, k_ring[i], v_ring[i]);
-        }
-        bool valid[2] = {k < row.end, k + STEP < row.end};
+        for (int n = 0; n < 2; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            const bf16* krow = ks + (wk + n * 8 + (lane & 7)) * STRIDE + ((lane >> 3) & 1) * 8;
+            if constexpr (KS % 2 == 0) {
 #pragma unroll
-        for (int h = 0; h < DECODE_GROUP; ++h) {
-            float sc[2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                sc[i] = 0.f;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) sc[i] += q[h][j] * kf[i][j];
-#pragma unroll
-                for (int o = LPK / 2; o > 0; o >>= 1) sc[i] += __shfl_xor_sync(0xffffffffu, sc[i], o);
-                if (!valid[i]) sc[i] = NEG_INF;
+                for (int kk = 0; kk < KS; kk += 2) {
+                    u32 b[4];
+                    ldmatrix_x4(b, krow + (kk + (lane >> 4)) * 16);
+                    mma_bf16(s[n], qa[kk], b[0], b[1]);
+                    mma_bf16(s[n], qa[kk + 1], b[2], b[3]);
+                }
+            } else {
+                u32 b[2];
+                ldmatrix_x2(b, krow);
+                mma_bf16(s[n], qa[0], b[0], b[1]);
             }
-            float mx = fmaxf(m[h], fmaxf(sc[0], sc[1]));
-            if (mx == NEG_INF) continue;
-            float al = exp2f(m[h] - mx), p0 = exp2f(sc[0] - mx), p1 = exp2f(sc[1] - mx);
-            l[h] = l[h] * al + p0 + p1;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[h][j] = acc[h][j] * al + p0 * vf[0][j] + p1 * vf[1][j];
-            m[h] = mx;
         }
-    }
-    // Merge the lane groups of the warp: lanes with the same `part` hold the same dimensions.
+        // Only the rows of the first half (heads gid < g) matter: mask, scale, online softmax.
+        float mx = NEG_INF;
 #pragma unroll
-    for (int o = LPK; o < 32; o <<= 1) {
+        for (int n = 0; n < 2; ++n) {
 #pragma unroll
-        for (int h = 0; h < DECODE_GROUP; ++h) {
-            if (h >= g) continue;
-            float m2 = __shfl_xor_sync(0xffffffffu, m[h], o);
-            float l2 = __shfl_xor_sync(0xffffffffu, l[h], o);
-            float acc2[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc2[i] = __shfl_xor_sync(0xffffffffu, acc[h][i], o);
-            merge_state(m[h], l[h], acc[h], m2, l2, acc2, 8);
+            for (int e = 0; e < 2; ++e) {
+                bool visible = k0 + wk + n * 8 + tig * 2 + e < row.end;
+                s[n][e] = visible ? s[n][e] * a.scale_log2 : NEG_INF;
+                mx = fmaxf(mx, s[n][e]);
+            }
         }
-    }
-    if (sub == 0) {
-        for (u32 h = 0; h < g; ++h) {
-            if (part == 0) s_m[warp][h] = m[h], s_l[warp][h] = l[h];
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        float m_new = fmaxf(m, mx);
+        float base = m_new == NEG_INF ? 0.f : m_new;
+        float alpha = exp2f(m - base), sum = 0.f;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) s_acc[warp][h][part * 8 + i] = acc[h][i];
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                s[n][e] = exp2f(s[n][e] - base);
+                sum += s[n][e];
+            }
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        l = l * alpha + sum;
+        m = m_new;
+        u32 pa[4] = {pack_bf16x2(s[0][0], s[0][1]), 0u, pack_bf16x2(s[1][0], s[1][1]), 0u};
+        const bf16* vrow = vs + (wk + (lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + (lane >> 4) * 8;
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            o[n][0] *= alpha, o[n][1] *= alpha, o[n + 1][0] *= alpha, o[n + 1][1] *= alpha;
+            u32 b[4];
+            ldmatrix_x4_trans(b, vrow + n * 8);
+            mma_bf16(o[n], pa, b[0], b[1]);
+            mma_bf16(o[n + 1], pa, b[2], b[3]);
+        }
+        __syncthreads();
+    }
+    if (gid < g) {
+        if (tig == 0) s_m[warp][gid] = m, s_l[warp][gid] = l;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            s_acc[warp][gid][n * 8 + tig * 2] = o[n][0];
+            s_acc[warp][gid][n * 8 + tig * 2 + 1] = o[n][1];
         }
     }
     __syncthreads();

@@ -20,7 +20,7 @@
 #define PREFILL_ROWS 64
 #define KEY_TILE 64
 // K and V tiles in flight: the kernel's dynamic shared memory is PREFILL_STAGES · 2 tiles of
-// KEY_TILE × (D + 8) bf16 (the engine's prefill_shared_bytes).
+// KEY_TILE × (D + 8) bf16 (the engine's tile_shared_bytes; decode attention's too).
 #define PREFILL_STAGES 2
 // Blocks a multiprocessor must be able to hold (caps the registers a thread may use).
 #ifndef PREFILL_MIN_BLOCKS

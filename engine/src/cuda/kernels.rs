@@ -29,13 +29,14 @@ const SOURCES: [(&str, &str); 12] = [
     ("silu_mul.cu", include_str!("../../../kernels/silu_mul.cu")),
     ("gemv.cu", include_str!("../../../kernels/gemv.cu")),
     ("rope_kv.cu", include_str!("../../../kernels/rope_kv.cu")),
-    (
-        "decode_attention.cu",
-        include_str!("../../../kernels/decode_attention.cu"),
-    ),
+    // Decode attention uses prefill attention's tile loader and tensor-core helpers.
     (
         "prefill_attention.cu",
         include_str!("../../../kernels/prefill_attention.cu"),
+    ),
+    (
+        "decode_attention.cu",
+        include_str!("../../../kernels/decode_attention.cu"),
     ),
     ("sampling.cu", include_str!("../../../kernels/sampling.cu")),
     (
@@ -62,9 +63,9 @@ const PREFILL_ROWS: usize = 64;
 const KEY_TILE: usize = 64;
 const PREFILL_STAGES: usize = 2;
 
-/// Dynamic shared memory of one prefill attention block: K and V tiles of every stage, rows
-/// padded by 8 elements.
-fn prefill_shared_bytes(head_dim: usize) -> usize {
+/// Dynamic shared memory of one prefill or decode attention block: K and V tiles of every
+/// stage, rows padded by 8 elements.
+fn tile_shared_bytes(head_dim: usize) -> usize {
     PREFILL_STAGES * 2 * KEY_TILE * (head_dim + 8) * 2
 }
 
@@ -179,14 +180,16 @@ impl Kernels {
         let module = device.context().load_module(compile(&device.arch())?)?;
         let f = |name: &str| module.load_function(name);
         let prefill_attention = f(&format!("prefill_attention_d{head_dim}"))?;
-        device.allow_shared(&prefill_attention, prefill_shared_bytes(head_dim))?;
+        device.allow_shared(&prefill_attention, tile_shared_bytes(head_dim))?;
+        let decode_attention = f(&format!("decode_attention_d{head_dim}"))?;
+        device.allow_shared(&decode_attention, tile_shared_bytes(head_dim))?;
         Ok(Kernels {
             embed_tokens: f("embed_tokens")?,
             add_rms_norm: f("add_rms_norm")?,
             silu_mul: f("silu_mul")?,
             gemv: [f("gemv_t1")?, f("gemv_t2")?, f("gemv_t4")?, f("gemv_t8")?],
             rope_kv_append: f("rope_kv_append")?,
-            decode_attention: f(&format!("decode_attention_d{head_dim}"))?,
+            decode_attention,
             prefill_attention,
             merge_attention_splits: f("merge_attention_splits")?,
             sample_rows: f("sample_rows")?,
@@ -323,8 +326,14 @@ impl Kernels {
             s.decode_blocks_per_row() as u32,
             rows as u32,
         );
-        self.device
-            .launch(&self.decode_attention, grid, ATTENTION_THREADS, &args)
+        let shared = tile_shared_bytes(s.head_dim) as u32;
+        self.device.launch_with_shared(
+            &self.decode_attention,
+            grid,
+            ATTENTION_THREADS,
+            shared,
+            &args,
+        )
     }
 
     /// Causal attention over `items` work items (see [`AttnShape::prefill_tile_tokens`]) of a
@@ -364,7 +373,7 @@ impl Kernels {
             s.prefill_blocks_per_item() as u32,
             split.splits as u32,
         );
-        let shared = prefill_shared_bytes(s.head_dim) as u32;
+        let shared = tile_shared_bytes(s.head_dim) as u32;
         self.device.launch_with_shared(
             &self.prefill_attention,
             grid,
