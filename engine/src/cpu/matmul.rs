@@ -14,7 +14,76 @@
 //! up to 4 input rows by up to 6 (AVX-512) or 2 (AVX2) weight rows keep their accumulators in
 //! registers, so each weight row is read once per 4 input rows.
 
+use half::bf16;
 use rayon::prelude::*;
+
+/// An element type weights are stored in. Each is widened to f32 exactly before its multiply-add,
+/// so a product with bf16 weights is bit-identical to the same product with those weights
+/// widened to f32 first: only the bytes read differ (half as many).
+pub trait Weight: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+
+    /// Eight consecutive weights as f32 lanes.
+    ///
+    /// # Safety
+    /// `p` valid for 8 elements; the CPU must have AVX2.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+
+    /// Sixteen consecutive weights as f32 lanes.
+    ///
+    /// # Safety
+    /// `p` valid for 16 elements; the CPU must have AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+impl Weight for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    }
+}
+
+impl Weight for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+
+    /// bf16 is the high half of an f32: widen each 16-bit word and shift it up.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const bf16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        unsafe {
+            let words = _mm_loadu_si128(p.cast());
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(words)))
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const bf16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        unsafe {
+            let words = _mm256_loadu_si256(p.cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(words)))
+        }
+    }
+}
 
 const LANES: usize = 16;
 /// Weight rows per parallel task.
@@ -59,9 +128,9 @@ impl Isa {
 
 /// Pointers into one tile: `rows` input rows and `cols` weight rows, all `k` long.
 #[derive(Clone, Copy)]
-struct Tile {
+struct Tile<W> {
     x: *const f32,
-    w: *const f32,
+    w: *const W,
     out: *mut f32,
     k: usize,
     x_stride: usize,
@@ -71,7 +140,7 @@ struct Tile {
     cols: usize,
 }
 
-impl Tile {
+impl<W> Tile<W> {
     /// # Safety
     /// `r` and `c` within the tile.
     #[inline(always)]
@@ -82,7 +151,7 @@ impl Tile {
     /// # Safety
     /// As [`Tile::x_row`].
     #[inline(always)]
-    unsafe fn w_row(&self, c: usize) -> *const f32 {
+    unsafe fn w_row(&self, c: usize) -> *const W {
         unsafe { self.w.add(c * self.w_stride) }
     }
 
@@ -109,17 +178,17 @@ impl OutPtr {
 }
 
 /// `out[t, n] = x[t, k] · w[n, k]ᵀ` with the best instruction set available.
-pub fn matmul(x: &[f32], rows: usize, k: usize, w: &[f32], n: usize, out: &mut [f32]) {
+pub fn matmul<W: Weight>(x: &[f32], rows: usize, k: usize, w: &[W], n: usize, out: &mut [f32]) {
     matmul_with(Isa::detect(), x, rows, k, w, n, out);
 }
 
 /// [`matmul`] with a chosen instruction set, which must be available (tests compare them).
-pub fn matmul_with(
+pub fn matmul_with<W: Weight>(
     isa: Isa,
     x: &[f32],
     rows: usize,
     k: usize,
-    w: &[f32],
+    w: &[W],
     n: usize,
     out: &mut [f32],
 ) {
@@ -195,7 +264,7 @@ pub fn dots(
 ///
 /// # Safety
 /// The block's pointers must be valid for its rows, columns and `k`, and `isa` available.
-unsafe fn run_tiled(isa: Isa, block: Tile) {
+unsafe fn run_tiled<W: Weight>(isa: Isa, block: Tile<W>) {
     let max_cols = match isa {
         Isa::Avx512 => 6,
         Isa::Avx2 => 2,
@@ -218,7 +287,7 @@ unsafe fn run_tiled(isa: Isa, block: Tile) {
 
 /// # Safety
 /// The tile's pointers must be valid for its rows, columns and `k`, and `isa` available.
-unsafe fn run_tile(isa: Isa, tile: Tile) {
+unsafe fn run_tile<W: Weight>(isa: Isa, tile: Tile<W>) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { x86::tile_avx512(tile) },
@@ -247,9 +316,9 @@ fn reduce_lanes(lanes: &[f32; LANES]) -> f32 {
 /// # Safety
 /// `x` and `w` must be valid for `k` elements.
 #[inline(always)]
-unsafe fn add_tail(mut sum: f32, x: *const f32, w: *const f32, k: usize) -> f32 {
+unsafe fn add_tail<W: Weight>(mut sum: f32, x: *const f32, w: *const W, k: usize) -> f32 {
     for i in k / LANES * LANES..k {
-        sum = unsafe { (*x.add(i)).mul_add(*w.add(i), sum) };
+        sum = unsafe { (*x.add(i)).mul_add((*w.add(i)).to_f32(), sum) };
     }
     sum
 }
@@ -258,14 +327,15 @@ unsafe fn add_tail(mut sum: f32, x: *const f32, w: *const f32, k: usize) -> f32 
 ///
 /// # Safety
 /// As [`run_tile`].
-unsafe fn tile_portable(t: Tile) {
+unsafe fn tile_portable<W: Weight>(t: Tile<W>) {
     for r in 0..t.rows {
         for c in 0..t.cols {
             let (x, w) = unsafe { (t.x_row(r), t.w_row(c)) };
             let mut lanes = [0f32; LANES];
             for base in (0..t.k / LANES * LANES).step_by(LANES) {
                 for (l, lane) in lanes.iter_mut().enumerate() {
-                    *lane = unsafe { (*x.add(base + l)).mul_add(*w.add(base + l), *lane) };
+                    let wl = unsafe { (*w.add(base + l)).to_f32() };
+                    *lane = unsafe { (*x.add(base + l)).mul_add(wl, *lane) };
                 }
             }
             unsafe { *t.out_at(r, c) = add_tail(reduce_lanes(&lanes), x, w, t.k) };
@@ -277,7 +347,7 @@ unsafe fn tile_portable(t: Tile) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{LANES, Tile, add_tail};
+    use super::{LANES, Tile, Weight, add_tail};
 
     /// [`super::reduce_lanes`]'s tree on eight lanes already folded (`l + 8` into `l`).
     ///
@@ -309,18 +379,18 @@ mod x86 {
 
     /// AVX-512: one register holds the 16 lanes of an element.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn tile_avx512(t: Tile) {
+    pub(super) unsafe fn tile_avx512<W: Weight>(t: Tile<W>) {
         unsafe {
             match (t.rows, t.cols) {
-                (4, 6) => tile512::<4, 6>(t),
-                (3, 6) => tile512::<3, 6>(t),
-                (2, 6) => tile512::<2, 6>(t),
-                (1, 6) => tile512::<1, 6>(t),
+                (4, 6) => tile512::<W, 4, 6>(t),
+                (3, 6) => tile512::<W, 3, 6>(t),
+                (2, 6) => tile512::<W, 2, 6>(t),
+                (1, 6) => tile512::<W, 1, 6>(t),
                 // A page of 16 positions of attention scores ends in a tile of 4.
-                (4, 4) => tile512::<4, 4>(t),
-                (3, 4) => tile512::<3, 4>(t),
-                (2, 4) => tile512::<2, 4>(t),
-                (1, 4) => tile512::<1, 4>(t),
+                (4, 4) => tile512::<W, 4, 4>(t),
+                (3, 4) => tile512::<W, 3, 4>(t),
+                (2, 4) => tile512::<W, 2, 4>(t),
+                (1, 4) => tile512::<W, 1, 4>(t),
                 (r, c) => {
                     for row in 0..r {
                         for col in 0..c {
@@ -332,7 +402,7 @@ mod x86 {
                                 cols: 1,
                                 ..t
                             };
-                            tile512::<1, 1>(one);
+                            tile512::<W, 1, 1>(one);
                         }
                     }
                 }
@@ -345,7 +415,7 @@ mod x86 {
     #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn tile512<const R: usize, const C: usize>(t: Tile) {
+    unsafe fn tile512<W: Weight, const R: usize, const C: usize>(t: Tile<W>) {
         unsafe {
             let (x, xs, w, ws, k) = (t.x, t.x_stride, t.w, t.w_stride, t.k);
             let mut acc = [[_mm512_setzero_ps(); C]; R];
@@ -353,7 +423,7 @@ mod x86 {
             while i + LANES <= k {
                 let mut wv = [_mm512_setzero_ps(); C];
                 for c in 0..C {
-                    wv[c] = _mm512_loadu_ps(w.add(c * ws + i));
+                    wv[c] = W::load16(w.add(c * ws + i));
                 }
                 for r in 0..R {
                     let xv = _mm512_loadu_ps(x.add(r * xs + i));
@@ -383,7 +453,7 @@ mod x86 {
 
     /// AVX2 with FMA: two registers hold lanes 0..8 and 8..16 of an element.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn tile_avx2(t: Tile) {
+    pub(super) unsafe fn tile_avx2<W: Weight>(t: Tile<W>) {
         unsafe {
             for r in 0..t.rows {
                 for c in 0..t.cols {
@@ -392,12 +462,12 @@ mod x86 {
                     for base in (0..t.k / LANES * LANES).step_by(LANES) {
                         lo = _mm256_fmadd_ps(
                             _mm256_loadu_ps(x.add(base)),
-                            _mm256_loadu_ps(w.add(base)),
+                            W::load8(w.add(base)),
                             lo,
                         );
                         hi = _mm256_fmadd_ps(
                             _mm256_loadu_ps(x.add(base + 8)),
-                            _mm256_loadu_ps(w.add(base + 8)),
+                            W::load8(w.add(base + 8)),
                             hi,
                         );
                     }
@@ -475,9 +545,35 @@ mod tests {
     }
 
     #[test]
+    fn bf16_weights_give_the_bits_of_their_f32_widening() {
+        let (rows, k, n) = (6, 203, 37);
+        let x = pseudo_random(rows * k, 7);
+        let w: Vec<bf16> = pseudo_random(n * k, 8)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        let widened: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+        for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|isa| isa.available())
+        {
+            let (mut narrow, mut wide) = (vec![f32::NAN; rows * n], vec![f32::NAN; rows * n]);
+            matmul_with(isa, &x, rows, k, &w, n, &mut narrow);
+            matmul_with(isa, &x, rows, k, &widened, n, &mut wide);
+            assert!(
+                narrow
+                    .iter()
+                    .zip(&wide)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{isa:?}"
+            );
+        }
+    }
+
+    #[test]
     fn empty_products_write_nothing() {
         let mut out: Vec<f32> = Vec::new();
-        matmul(&[], 0, 4, &[0.0; 8], 2, &mut out);
-        matmul(&[0.0; 4], 1, 4, &[], 0, &mut out);
+        matmul(&[], 0, 4, &[0f32; 8], 2, &mut out);
+        matmul::<f32>(&[0.0; 4], 1, 4, &[], 0, &mut out);
     }
 }

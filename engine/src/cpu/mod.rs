@@ -346,9 +346,7 @@ impl Forward<'_> {
         self.s.x.clear();
         for &token in plan.rows.iter().flat_map(|r| &r.tokens) {
             let t = token as usize;
-            self.s
-                .x
-                .extend_from_slice(&self.weights.embed[t * h..(t + 1) * h]);
+            self.weights.embed.extend_row(t, h, &mut self.s.x);
         }
     }
 
@@ -374,7 +372,8 @@ impl Forward<'_> {
         resize(&mut self.s.normed, tokens * h);
         kernels::rms_norm(&self.s.x, &w.attn_norm, c.rms_norm_eps, &mut self.s.normed);
         resize(&mut self.s.qkv, tokens * width);
-        matmul::matmul(&self.s.normed, tokens, h, &w.wqkv, width, &mut self.s.qkv);
+        w.wqkv
+            .matmul(&self.s.normed, tokens, h, width, &mut self.s.qkv);
         if let Some(bias) = &w.bqkv {
             self.s
                 .qkv
@@ -399,14 +398,7 @@ impl Forward<'_> {
             &mut self.s.attn,
         );
         resize(&mut self.s.projected, tokens * h);
-        matmul::matmul(
-            &self.s.attn,
-            tokens,
-            c.q_dim(),
-            &w.wo,
-            h,
-            &mut self.s.projected,
-        );
+        w.wo.matmul(&self.s.attn, tokens, c.q_dim(), h, &mut self.s.projected);
         kernels::add_assign(&mut self.s.x, &self.s.projected);
     }
 
@@ -436,17 +428,12 @@ impl Forward<'_> {
         let tokens = self.s.x.len() / h;
         kernels::rms_norm(&self.s.x, &w.ffn_norm, c.rms_norm_eps, &mut self.s.normed);
         resize(&mut self.s.gate_up, tokens * 2 * f);
-        matmul::matmul(
-            &self.s.normed,
-            tokens,
-            h,
-            &w.w_gate_up,
-            2 * f,
-            &mut self.s.gate_up,
-        );
+        w.w_gate_up
+            .matmul(&self.s.normed, tokens, h, 2 * f, &mut self.s.gate_up);
         resize(&mut self.s.act, tokens * f);
         kernels::silu_mul(&self.s.gate_up, f, &mut self.s.act);
-        matmul::matmul(&self.s.act, tokens, f, &w.w_down, h, &mut self.s.projected);
+        w.w_down
+            .matmul(&self.s.act, tokens, f, h, &mut self.s.projected);
         kernels::add_assign(&mut self.s.x, &self.s.projected);
     }
 
@@ -479,7 +466,9 @@ impl Forward<'_> {
             &mut normed,
         );
         let mut logits = vec![0f32; rows * vocab];
-        matmul::matmul(&normed, rows, h, self.weights.lm_head(), vocab, &mut logits);
+        self.weights
+            .lm_head()
+            .matmul(&normed, rows, h, vocab, &mut logits);
         StepOutput {
             vocab_size: vocab,
             logits,

@@ -1,32 +1,72 @@
-//! The CPU backend's weights: every tensor decoded to f32 once, q/k/v and gate/up fused.
+//! The CPU backend's weights, q/k/v and gate/up fused. Matrices stay bf16 where the checkpoint
+//! stores them so (a decode step reads half the bytes, and [`matmul`] widens each weight to f32
+//! exactly, so the products are the bits the f32 copy would give); everything else is decoded
+//! to f32 once.
 //!
 //! Fusing means one pass over the normalized activations feeds three (or two) projections:
 //! the rows of q, k and v (gate and up) are simply concatenated, since a weight is `[out, in]`.
 
+use half::bf16;
+
+use super::matmul::{self, Weight};
 use crate::error::Result;
 use crate::model::{ModelConfig, Weights};
+
+/// A `[rows, cols]` weight matrix in the type it is kept in.
+pub enum Matrix {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+}
+
+impl Matrix {
+    pub fn bytes(&self) -> usize {
+        match self {
+            Matrix::F32(w) => w.len() * 4,
+            Matrix::Bf16(w) => w.len() * 2,
+        }
+    }
+
+    /// `out[t, n] = x[t, k] · selfᵀ` ([`matmul::matmul`]).
+    pub fn matmul(&self, x: &[f32], rows: usize, k: usize, n: usize, out: &mut [f32]) {
+        match self {
+            Matrix::F32(w) => matmul::matmul(x, rows, k, w, n, out),
+            Matrix::Bf16(w) => matmul::matmul(x, rows, k, w, n, out),
+        }
+    }
+
+    /// Appends row `r` (of `cols`) as f32.
+    pub fn extend_row(&self, r: usize, cols: usize, out: &mut Vec<f32>) {
+        fn widen<W: Weight>(row: &[W], out: &mut Vec<f32>) {
+            out.extend(row.iter().map(|w| w.to_f32()));
+        }
+        match self {
+            Matrix::F32(w) => out.extend_from_slice(&w[r * cols..(r + 1) * cols]),
+            Matrix::Bf16(w) => widen(&w[r * cols..(r + 1) * cols], out),
+        }
+    }
+}
 
 pub struct Layer {
     pub attn_norm: Vec<f32>,
     /// `[q_dim + 2·kv_dim, hidden]`: q rows, then k, then v.
-    pub wqkv: Vec<f32>,
+    pub wqkv: Matrix,
     pub bqkv: Option<Vec<f32>>,
     /// `[hidden, q_dim]`.
-    pub wo: Vec<f32>,
+    pub wo: Matrix,
     pub ffn_norm: Vec<f32>,
     /// `[2·ffn, hidden]`: gate rows, then up.
-    pub w_gate_up: Vec<f32>,
+    pub w_gate_up: Matrix,
     /// `[hidden, ffn]`.
-    pub w_down: Vec<f32>,
+    pub w_down: Matrix,
 }
 
 pub struct CpuWeights {
     /// `[vocab, hidden]`.
-    pub embed: Vec<f32>,
+    pub embed: Matrix,
     pub layers: Vec<Layer>,
     pub norm: Vec<f32>,
     /// `[vocab, hidden]`, or `None` when tied to `embed`.
-    pub lm_head: Option<Vec<f32>>,
+    pub lm_head: Option<Matrix>,
 }
 
 impl CpuWeights {
@@ -38,10 +78,18 @@ impl CpuWeights {
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(weights.load_f32("lm_head.weight", &[c.vocab_size, h])?)
+            Some(load_matrix(
+                weights,
+                &[("lm_head.weight".into(), c.vocab_size)],
+                h,
+            )?)
         };
         Ok(Self {
-            embed: weights.load_f32("model.embed_tokens.weight", &[c.vocab_size, h])?,
+            embed: load_matrix(
+                weights,
+                &[("model.embed_tokens.weight".into(), c.vocab_size)],
+                h,
+            )?,
             layers,
             norm: weights.load_f32("model.norm.weight", &[h])?,
             lm_head,
@@ -50,29 +98,46 @@ impl CpuWeights {
 
     pub fn bytes(&self) -> u64 {
         let layer = |l: &Layer| {
-            [
-                &l.attn_norm,
-                &l.wqkv,
-                &l.wo,
-                &l.ffn_norm,
-                &l.w_gate_up,
-                &l.w_down,
-            ]
-            .iter()
-            .map(|v| v.len())
-            .sum::<usize>()
-                + l.bqkv.as_ref().map_or(0, Vec::len)
+            [&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down]
+                .iter()
+                .map(|m| m.bytes())
+                .sum::<usize>()
+                + (l.attn_norm.len() + l.ffn_norm.len() + l.bqkv.as_ref().map_or(0, Vec::len)) * 4
         };
-        let elems = self.embed.len()
-            + self.norm.len()
-            + self.lm_head.as_ref().map_or(0, Vec::len)
+        let bytes = self.embed.bytes()
+            + self.norm.len() * 4
+            + self.lm_head.as_ref().map_or(0, Matrix::bytes)
             + self.layers.iter().map(layer).sum::<usize>();
-        elems as u64 * 4
+        bytes as u64
     }
 
-    pub fn lm_head(&self) -> &[f32] {
-        self.lm_head.as_deref().unwrap_or(&self.embed)
+    pub fn lm_head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
     }
+}
+
+/// Named tensors of the given row counts as consecutive rows of one matrix: bf16 when every one
+/// is stored in bf16, else f32.
+fn load_matrix(weights: &Weights, parts: &[(String, usize)], cols: usize) -> Result<Matrix> {
+    let mut all_bf16 = true;
+    for (name, rows) in parts {
+        let (_, dtype, _) = weights.raw(name, &[*rows, cols])?;
+        all_bf16 &= dtype == safetensors::Dtype::BF16;
+    }
+    if !all_bf16 {
+        return Ok(Matrix::F32(load_stacked(weights, parts, cols)?));
+    }
+    let total: usize = parts.iter().map(|(_, rows)| rows).sum();
+    let mut out = Vec::with_capacity(total * cols);
+    for (name, rows) in parts {
+        let (_, _, bytes) = weights.raw(name, &[*rows, cols])?;
+        out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]])),
+        );
+    }
+    Ok(Matrix::Bf16(out))
 }
 
 /// Loads named tensors of the given row counts into consecutive rows of one buffer.
@@ -105,15 +170,15 @@ fn load_layer(weights: &Weights, c: &ModelConfig, i: usize) -> Result<Layer> {
     };
     Ok(Layer {
         attn_norm: weights.load_f32(&p("input_layernorm.weight"), &[h])?,
-        wqkv: load_stacked(weights, &qkv("weight"), h)?,
+        wqkv: load_matrix(weights, &qkv("weight"), h)?,
         bqkv,
-        wo: weights.load_f32(&p("self_attn.o_proj.weight"), &[h, c.q_dim()])?,
+        wo: load_matrix(weights, &[(p("self_attn.o_proj.weight"), h)], c.q_dim())?,
         ffn_norm: weights.load_f32(&p("post_attention_layernorm.weight"), &[h])?,
-        w_gate_up: load_stacked(
+        w_gate_up: load_matrix(
             weights,
             &[(p("mlp.gate_proj.weight"), f), (p("mlp.up_proj.weight"), f)],
             h,
         )?,
-        w_down: weights.load_f32(&p("mlp.down_proj.weight"), &[h, f])?,
+        w_down: load_matrix(weights, &[(p("mlp.down_proj.weight"), h)], f)?,
     })
 }
