@@ -451,13 +451,16 @@ mod x86 {
         }
     }
 
-    /// AVX2 with FMA: two registers hold lanes 0..8 and 8..16 of an element.
+    /// AVX2 with FMA: two registers hold lanes 0..8 and 8..16 of an element. With several input
+    /// rows, tiles of 2 × 2 elements keep their 8 accumulators in registers, so a weight row
+    /// loaded once serves two input rows (BENCHMARKS.md: prefill 1.2-2× on 2 AVX2 cores); one
+    /// input row (decode) runs element by element, which measured faster than a 1 × 2 tile.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn tile_avx2<W: Weight>(t: Tile<W>) {
         unsafe {
-            for r in 0..t.rows {
+            if t.rows == 1 {
                 for c in 0..t.cols {
-                    let (x, w) = (t.x_row(r), t.w_row(c));
+                    let (x, w) = (t.x, t.w_row(c));
                     let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                     for base in (0..t.k / LANES * LANES).step_by(LANES) {
                         lo = _mm256_fmadd_ps(
@@ -471,7 +474,72 @@ mod x86 {
                             hi,
                         );
                     }
-                    *t.out_at(r, c) = add_tail(reduce8(_mm256_add_ps(lo, hi)), x, w, t.k);
+                    *t.out_at(0, c) = add_tail(reduce8(_mm256_add_ps(lo, hi)), x, w, t.k);
+                }
+                return;
+            }
+            for r in (0..t.rows).step_by(2) {
+                for c in (0..t.cols).step_by(2) {
+                    let part = Tile {
+                        x: t.x_row(r),
+                        w: t.w_row(c),
+                        out: t.out_at(r, c),
+                        rows: (t.rows - r).min(2),
+                        cols: (t.cols - c).min(2),
+                        ..t
+                    };
+                    match (part.rows, part.cols) {
+                        (2, 2) => tile256::<W, 2, 2>(part),
+                        (2, 1) => tile256::<W, 2, 1>(part),
+                        (1, 2) => tile256::<W, 1, 2>(part),
+                        _ => tile256::<W, 1, 1>(part),
+                    }
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn tile256<W: Weight, const R: usize, const C: usize>(t: Tile<W>) {
+        unsafe {
+            let (x, xs, w, ws, k) = (t.x, t.x_stride, t.w, t.w_stride, t.k);
+            let mut lo = [[_mm256_setzero_ps(); C]; R];
+            let mut hi = [[_mm256_setzero_ps(); C]; R];
+            let mut i = 0;
+            while i + LANES <= k {
+                let mut wlo = [_mm256_setzero_ps(); C];
+                let mut whi = [_mm256_setzero_ps(); C];
+                for c in 0..C {
+                    wlo[c] = W::load8(w.add(c * ws + i));
+                    whi[c] = W::load8(w.add(c * ws + i + 8));
+                }
+                for r in 0..R {
+                    let xlo = _mm256_loadu_ps(x.add(r * xs + i));
+                    let xhi = _mm256_loadu_ps(x.add(r * xs + i + 8));
+                    for c in 0..C {
+                        lo[r][c] = _mm256_fmadd_ps(xlo, wlo[c], lo[r][c]);
+                        hi[r][c] = _mm256_fmadd_ps(xhi, whi[c], hi[r][c]);
+                    }
+                }
+                i += LANES;
+            }
+            // Folded and spilled once, as in `tile512`, so the loop above keeps its
+            // accumulators in registers.
+            let mut spilled = [[[0f32; 8]; C]; R];
+            for r in 0..R {
+                for c in 0..C {
+                    _mm256_storeu_ps(
+                        spilled[r][c].as_mut_ptr(),
+                        _mm256_add_ps(lo[r][c], hi[r][c]),
+                    );
+                }
+            }
+            for r in 0..R {
+                for c in 0..C {
+                    let sum = reduce8(_mm256_loadu_ps(spilled[r][c].as_ptr()));
+                    *t.out_at(r, c) = add_tail(sum, x.add(r * xs), w.add(c * ws), k);
                 }
             }
         }
