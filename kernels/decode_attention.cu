@@ -242,23 +242,7 @@ __device__ void decode_attention(const DecodeArgs& a) {
         u32 wk = warp * WARP_KEYS;
         float s[2][4];
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-            const bf16* krow = ks + (wk + n * 8 + (lane & 7)) * STRIDE + ((lane >> 3) & 1) * 8;
-            if constexpr (KS % 2 == 0) {
-#pragma unroll
-                for (int kk = 0; kk < KS; kk += 2) {
-                    u32 b[4];
-                    ldmatrix_x4(b, krow + (kk + (lane >> 4)) * 16);
-                    mma_bf16(s[n], qa[kk], b[0], b[1]);
-                    mma_bf16(s[n], qa[kk + 1], b[2], b[3]);
-                }
-            } else {
-                u32 b[2];
-                ldmatrix_x2(b, krow);
-                mma_bf16(s[n], qa[0], b[0], b[1]);
-            }
-        }
+        for (int n = 0; n < 2; ++n) score_keys8<D>(s[n], qa, ks, wk + n * 8, lane);
         // Only the rows of the first half (heads gid < g) matter: mask, scale, online softmax.
         float mx = NEG_INF;
 #pragma unroll
@@ -288,15 +272,9 @@ __device__ void decode_attention(const DecodeArgs& a) {
         l = l * alpha + sum;
         m = m_new;
         u32 pa[4] = {pack_bf16x2(s[0][0], s[0][1]), 0u, pack_bf16x2(s[1][0], s[1][1]), 0u};
-        const bf16* vrow = vs + (wk + (lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + (lane >> 4) * 8;
 #pragma unroll
-        for (int n = 0; n < NT; n += 2) {
-            o[n][0] *= alpha, o[n][1] *= alpha, o[n + 1][0] *= alpha, o[n + 1][1] *= alpha;
-            u32 b[4];
-            ldmatrix_x4_trans(b, vrow + n * 8);
-            mma_bf16(o[n], pa, b[0], b[1]);
-            mma_bf16(o[n + 1], pa, b[2], b[3]);
-        }
+        for (int n = 0; n < NT; ++n) o[n][0] *= alpha, o[n][1] *= alpha;
+        add_values16<D>(o, pa, vs, wk, lane);
         __syncthreads();
     }
     if (gid < g) {

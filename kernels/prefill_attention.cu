@@ -105,6 +105,49 @@ __device__ __forceinline__ void issue_kv_tile(bf16* ks, bf16* vs, const bf16* k_
     asm volatile("cp.async.commit_group;");
 }
 
+// S[16 × 8] += Q·Kᵀ for the 8 keys in rows key0..key0 + 7 of a K tile (row stride D + 8), Q
+// given as the A fragments of every k-step. Lanes 8i..8i+7 address ldmatrix's matrix i: those
+// keys, dimensions (kk + i/2)·16 + (i%2)·8.
+template <int D>
+__device__ __forceinline__ void score_keys8(float* s, const u32 (*qa)[4], const bf16* ks, u32 key0,
+                                            u32 lane) {
+    constexpr int STRIDE = D + 8, KS = D / 16;
+    s[0] = s[1] = s[2] = s[3] = 0.f;
+    const bf16* krow = ks + (key0 + (lane & 7)) * STRIDE + ((lane >> 3) & 1) * 8;
+    if constexpr (KS % 2 == 0) {
+#pragma unroll
+        for (int kk = 0; kk < KS; kk += 2) {
+            u32 b[4];
+            ldmatrix_x4(b, krow + (kk + (lane >> 4)) * 16);
+            mma_bf16(s, qa[kk], b[0], b[1]);
+            mma_bf16(s, qa[kk + 1], b[2], b[3]);
+        }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+            u32 b[2];
+            ldmatrix_x2(b, krow + kk * 16);
+            mma_bf16(s, qa[kk], b[0], b[1]);
+        }
+    }
+}
+
+// O[16 × D] += P·V for the 16 keys in rows key0..key0 + 15 of a V tile, P given as the A
+// fragment. V is read transposed: matrix i holds keys key0 + (i%2)·8.., dimensions (n + i/2)·8..
+template <int D>
+__device__ __forceinline__ void add_values16(float (*o)[4], const u32* pa, const bf16* vs, u32 key0,
+                                             u32 lane) {
+    constexpr int STRIDE = D + 8, NT = D / 8;
+    const bf16* vrow = vs + (key0 + (lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + (lane >> 4) * 8;
+#pragma unroll
+    for (int n = 0; n < NT; n += 2) {
+        u32 b[4];
+        ldmatrix_x4_trans(b, vrow + n * 8);
+        mma_bf16(o[n], pa, b[0], b[1]);
+        mma_bf16(o[n + 1], pa, b[2], b[3]);
+    }
+}
+
 template <int D>
 __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
                                   const bf16* __restrict__ k_cache,
@@ -176,27 +219,7 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
         __syncthreads();
         float s[KEY_TILE / 8][4];
 #pragma unroll
-        for (int n = 0; n < KEY_TILE / 8; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-            // Lanes 8i..8i+7 address matrix i: keys n·8.., dims (kk + i/2)·16 + (i%2)·8.
-            const bf16* krow = ks + (n * 8 + (lane & 7)) * STRIDE + ((lane >> 3) & 1) * 8;
-            if constexpr (KS % 2 == 0) {
-#pragma unroll
-                for (int kk = 0; kk < KS; kk += 2) {
-                    u32 b[4];
-                    ldmatrix_x4(b, krow + (kk + (lane >> 4)) * 16);
-                    mma_bf16(s[n], qa[kk], b[0], b[1]);
-                    mma_bf16(s[n], qa[kk + 1], b[2], b[3]);
-                }
-            } else {
-#pragma unroll
-                for (int kk = 0; kk < KS; ++kk) {
-                    u32 b[2];
-                    ldmatrix_x2(b, krow + kk * 16);
-                    mma_bf16(s[n], qa[kk], b[0], b[1]);
-                }
-            }
-        }
+        for (int n = 0; n < KEY_TILE / 8; ++n) score_keys8<D>(s[n], qa, ks, n * 8, lane);
         // Mask, scale, and the online softmax of this thread's two rows (shared by a quad). A
         // tile every query row sees whole (below the diagonal, inside every row's window) needs
         // no mask.
@@ -238,21 +261,13 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
 #pragma unroll
             for (int n = 0; n < NT; ++n) o[n][half * 2] *= alpha, o[n][half * 2 + 1] *= alpha;
         }
-        // O += P·V, P re-packed from the S accumulators as the A operand (16 keys per step), V
-        // read transposed: matrix i holds keys j·16 + (i%2)·8.., dims (n + i/2)·8...
+        // O += P·V, P re-packed from the S accumulators as the A operand (16 keys per step).
 #pragma unroll
         for (int j = 0; j < KEY_TILE / 16; ++j) {
             u32 pa[4] = {pack_bf16x2(s[2 * j][0], s[2 * j][1]), pack_bf16x2(s[2 * j][2], s[2 * j][3]),
                          pack_bf16x2(s[2 * j + 1][0], s[2 * j + 1][1]),
                          pack_bf16x2(s[2 * j + 1][2], s[2 * j + 1][3])};
-            const bf16* vrow = vs + (j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + (lane >> 4) * 8;
-#pragma unroll
-            for (int n = 0; n < NT; n += 2) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, vrow + n * 8);
-                mma_bf16(o[n], pa, b[0], b[1]);
-                mma_bf16(o[n + 1], pa, b[2], b[3]);
-            }
+            add_values16<D>(o, pa, vs, j * 16, lane);
         }
         __syncthreads();
     }

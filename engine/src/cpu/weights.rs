@@ -119,25 +119,20 @@ impl CpuWeights {
 /// Named tensors of the given row counts as consecutive rows of one matrix: bf16 when every one
 /// is stored in bf16, else f32.
 fn load_matrix(weights: &Weights, parts: &[(String, usize)], cols: usize) -> Result<Matrix> {
-    let mut all_bf16 = true;
-    for (name, rows) in parts {
-        let (_, dtype, _) = weights.raw(name, &[*rows, cols])?;
-        all_bf16 &= dtype == safetensors::Dtype::BF16;
-    }
-    if !all_bf16 {
+    let raw = parts
+        .iter()
+        .map(|(name, rows)| weights.raw(name, &[*rows, cols]))
+        .collect::<Result<Vec<_>>>()?;
+    if raw
+        .iter()
+        .any(|(_, dtype, _)| *dtype != safetensors::Dtype::BF16)
+    {
         return Ok(Matrix::F32(load_stacked(weights, parts, cols)?));
     }
-    let total: usize = parts.iter().map(|(_, rows)| rows).sum();
-    let mut out = Vec::with_capacity(total * cols);
-    for (name, rows) in parts {
-        let (_, _, bytes) = weights.raw(name, &[*rows, cols])?;
-        out.extend(
-            bytes
-                .chunks_exact(2)
-                .map(|b| bf16::from_le_bytes([b[0], b[1]])),
-        );
-    }
-    Ok(Matrix::Bf16(out))
+    let words = raw.iter().flat_map(|(_, _, bytes)| bytes.chunks_exact(2));
+    Ok(Matrix::Bf16(
+        words.map(|b| bf16::from_le_bytes([b[0], b[1]])).collect(),
+    ))
 }
 
 /// Loads named tensors of the given row counts into consecutive rows of one buffer.
