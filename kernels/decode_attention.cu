@@ -30,6 +30,20 @@
 // 6.05 ms a step with splits of 64, 5.02 with 256).
 #define MAX_SPLITS 128
 #define MIN_SPLIT_KEYS 256
+// A short row, whose splits of MIN_SPLIT_KEYS would be too few to hide a tile's latency behind
+// another's (SmolLM2 at batch 1 × 512 positions: two splits of four tiles each, one after the
+// other), takes up to SHORT_SPLITS splits of at least SHORT_SPLIT_KEYS, as long as the launch
+// stays within one block a multiprocessor: the engine launches enough splits to fill the device
+// twice over (`DECODE_BLOCKS_PER_MULTIPROCESSOR`), so at most half of them. Measured on the
+// H200, tok/s, splits of 256 / up to 8 of 64 without that bound: SmolLM2 batch 1 × 512
+// 1,435 / 1,537, batch 8 × 512 8,032 / 8,444; 8B batch 1 × 512 226.4 / 230.8, batch 8 × 512
+// 1,664 / 1,583 (the bound keeps the last at two splits).
+#ifndef SHORT_SPLITS
+#define SHORT_SPLITS 8
+#endif
+#ifndef SHORT_SPLIT_KEYS
+#define SHORT_SPLIT_KEYS 64
+#endif
 // Query heads per block (rows of the mma's A operand used).
 #define DECODE_GROUP 4
 // Blocks a multiprocessor must be able to hold (caps the registers a thread may use); the
@@ -55,7 +69,9 @@ __device__ __forceinline__ DecodeRow decode_row(const u32* row_start_token, cons
     d.pos = row_start_pos[r];
     d.lo = (window != 0 && d.pos + 1 > window) ? d.pos + 1 - window : 0;
     u32 n = d.pos + 1 - d.lo;
-    d.used = min(splits, (n + MIN_SPLIT_KEYS - 1) / MIN_SPLIT_KEYS);
+    u32 long_splits = (n + MIN_SPLIT_KEYS - 1) / MIN_SPLIT_KEYS;
+    u32 short_splits = min(min((n + SHORT_SPLIT_KEYS - 1) / SHORT_SPLIT_KEYS, SHORT_SPLITS), splits / 2);
+    d.used = min(splits, max(long_splits, short_splits));
     u32 per = (n + d.used - 1) / d.used;
     d.begin = min(d.lo + split * per, d.pos + 1);
     d.end = min(d.begin + per, d.pos + 1);

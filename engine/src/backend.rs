@@ -209,6 +209,12 @@ pub trait Backend: Send {
         Ok(tokens)
     }
 
+    /// Kernels the last [`Backend::step_and_sample`] launched, where the backend counted every
+    /// one (on CUDA: a decode step replayed from a graph, whose nodes include cuBLAS's).
+    fn last_step_kernels(&self) -> Option<usize> {
+        None
+    }
+
     /// Allocates the buffer of a snapshot of `bytes` in `tier`. Fails, holding nothing, when
     /// the memory is not there.
     fn alloc_backing(&mut self, backing: BackingId, tier: Tier, bytes: u64) -> Result<()>;

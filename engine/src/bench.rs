@@ -70,6 +70,8 @@ pub enum BenchRow {
         context: usize,
         tokens_per_s: f64,
         step: Duration,
+        /// Kernels one step launched, where the backend counts them.
+        kernels: Option<usize>,
     },
     /// A configuration the backend cannot hold.
     Skipped { what: String, reason: String },
@@ -94,12 +96,17 @@ impl std::fmt::Display for BenchRow {
                 context,
                 tokens_per_s,
                 step,
+                kernels,
             } => {
                 write!(
                     f,
                     "decode   batch {batch:>4}  context {context:>6} {tokens_per_s:>10.1} tok/s  {:>9.3} ms/step",
                     step.as_secs_f64() * 1e3
-                )
+                )?;
+                match kernels {
+                    Some(kernels) => write!(f, "  {kernels:>5} kernels/step"),
+                    None => Ok(()),
+                }
             }
             BenchRow::Skipped { what, reason } => write!(f, "{what}: skipped ({reason})"),
         }
@@ -259,6 +266,7 @@ fn decode(
         context,
         tokens_per_s: batch as f64 / step.as_secs_f64(),
         step,
+        kernels: backend.last_step_kernels(),
     })
 }
 

@@ -11,6 +11,7 @@
 use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::sys::{self, CUdeviceptr, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, result};
@@ -28,6 +29,8 @@ pub struct Device {
     pub compute_capability: (i32, i32),
     pub multiprocessors: u32,
     pub total_bytes: u64,
+    /// Kernels launched (or captured into a graph) through [`Device::launch`] so far.
+    launches: AtomicUsize,
 }
 
 impl Device {
@@ -65,6 +68,7 @@ impl Device {
             ctx,
             compute_capability,
             multiprocessors,
+            launches: AtomicUsize::new(0),
         }))
     }
 
@@ -106,6 +110,11 @@ impl Device {
         self.ctx.record_err(self.stream.synchronize());
     }
 
+    /// Kernels launched (or captured) through [`Device::launch`] so far; cuBLAS's are not.
+    pub fn launches(&self) -> usize {
+        self.launches.load(Ordering::Relaxed)
+    }
+
     /// Launches `func` on the stream with `block` threads per block.
     pub fn launch(
         &self,
@@ -127,6 +136,7 @@ impl Device {
         shared_bytes: u32,
         args: &Args,
     ) -> Result<()> {
+        self.launches.fetch_add(1, Ordering::Relaxed);
         let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
         for (param, word) in params.iter_mut().zip(&args.words[..args.len]) {
             *param = word as *const u64 as *mut c_void;

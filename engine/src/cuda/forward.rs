@@ -5,6 +5,13 @@
 //! projection, add + norm, the fused gate/up projection, SiLU × up and the down projection;
 //! then the last add fused with the final norm, which packs the rows whose logits are wanted,
 //! and the vocabulary projection in f32. The residual stream stays f32; everything else is bf16.
+//!
+//! A projection the gemv kernel serves does its neighbours' work too: the norm before it (for
+//! rows of at most [`GEMV_NORM_MAX_IN`], when the stream is up to date), SiLU × up after the
+//! gate/up projection, and the residual add after the output and down projections, which then
+//! leave no delta for the next norm to add. At batch 1 a layer is five launches instead of
+//! eight for SmolLM2, seven for Llama-3.1-8B.
+//!
 //! The pass reads its metadata from fixed device buffers and takes only sizes as arguments, so
 //! a decode pass can be captured once per batch size and replayed. It allocates nothing.
 
@@ -15,7 +22,8 @@ use half::bf16;
 use super::device::{DPtr, Device, DeviceBuffer};
 use super::gemm::{Gemm, Linear};
 use super::kernels::{
-    AddRmsNorm, Attention, AttnShape, DecodeAttention, Embed, Kernels, MetaBuffers, RopeKv, Splits,
+    AddRmsNorm, Attention, AttnShape, DecodeAttention, Embed, GEMV_NORM_MAX_IN, GemvInput,
+    GemvOutput, Kernels, MetaBuffers, RopeKv, Splits,
 };
 use super::pool::KvPool;
 use super::weights::GpuWeights;
@@ -47,11 +55,11 @@ const PREFILL_MIN_SPLIT_KEYS: usize = 256;
 const PREFILL_SPLIT_PAIRS: usize = 1024;
 
 /// The largest weight [`Forward`] multiplies with the gemv kernel. On an H200 (BENCHMARKS.md)
-/// the gemv is faster than cuBLAS at batch 1 for all of SmolLM2's weights (3.4 MiB at most)
-/// and for Llama-3.1-8B's q/k/v (48 MiB) and output (32 MiB) projections, slower for its
-/// down (112 MiB, a 14,336-long reduction) and gate/up (224 MiB) projections: 8B batch-1
-/// decode measured 204.2 tok/s with the cut at 8 MiB, 212.4 at 64, 203.8 at 128.
-pub const GEMV_MAX_WEIGHT_BYTES: usize = 64 << 20;
+/// the gemv, whose blocks split each row's reduction over their warps, is faster than cuBLAS
+/// at batch 1 for every weight of SmolLM2 and of Llama-3.1-8B (224 MiB for its gate/up
+/// projection, which it also activates): 8B batch-1 decode 216.3 / 216.9 tok/s with the cut at
+/// 64 MiB, 229.2 / 228.4 with every projection through the gemv.
+pub const GEMV_MAX_WEIGHT_BYTES: usize = 256 << 20;
 
 /// The sizes the workspaces are allocated for.
 #[derive(Debug, Clone, Copy)]
@@ -178,16 +186,12 @@ impl Forward<'_> {
             tokens,
             hidden: h,
         })?;
+        let mut stream = Stream::Current;
         for layer in 0..self.config.num_layers {
-            self.attention_block(layer, tokens, mode)?;
-            self.mlp_block(layer, tokens)?;
+            stream = self.attention_block(layer, tokens, mode, stream)?;
+            stream = self.mlp_block(layer, tokens, stream)?;
         }
-        self.norm(
-            tokens,
-            self.ws.proj,
-            self.weights.norm(),
-            self.meta.logit_rows,
-        )
+        self.norm(tokens, stream, self.weights.norm(), self.meta.logit_rows)
     }
 
     /// Projects packed rows `first..first + rows` of `normed` into `logits` rows `0..rows`.
@@ -205,13 +209,18 @@ impl Forward<'_> {
         )
     }
 
+    /// Adds a pending delta to the residual stream and writes its RMSNorm into `normed`.
     fn norm(
         &self,
         tokens: usize,
-        delta: DPtr<bf16>,
+        stream: Stream,
         weight: DPtr<bf16>,
         out_rows: DPtr<u32>,
     ) -> Result<()> {
+        let delta = match stream {
+            Stream::Current => DPtr::NULL,
+            Stream::Delta => self.ws.proj,
+        };
         self.kernels.add_rms_norm(&AddRmsNorm {
             residual: self.ws.x,
             delta,
@@ -224,27 +233,47 @@ impl Forward<'_> {
         })
     }
 
-    /// A projection: our gemv for a few tokens and a small weight, where cuBLAS's fixed costs
-    /// dominate; cuBLAS otherwise.
-    fn linear(
-        &self,
-        x: DPtr<bf16>,
-        w: DPtr<bf16>,
-        y: DPtr<bf16>,
-        shape: (usize, usize, usize),
-    ) -> Result<()> {
-        let (tokens, in_features, out_features) = shape;
-        let shape = Linear {
-            tokens,
-            in_features,
-            out_features,
-        };
-        let weight_bytes = in_features * out_features * 2;
-        if tokens <= self.gemv_max_tokens && weight_bytes <= self.gemv_max_weight_bytes {
-            self.kernels.gemv(x, w, y, shape)
-        } else {
-            self.gemm.linear(x, w, y, shape)
+    /// Whether a projection of `shape` runs on our gemv (few tokens, a small weight), where
+    /// cuBLAS's fixed costs dominate; cuBLAS otherwise.
+    fn gemv_serves(&self, shape: Linear) -> bool {
+        let weight_bytes = shape.in_features * shape.out_features * 2;
+        shape.tokens <= self.gemv_max_tokens && weight_bytes <= self.gemv_max_weight_bytes
+    }
+
+    /// The input of a projection of `shape` after an RMSNorm with `weight`: fused into the gemv
+    /// where it serves, the rows are short and the stream is up to date, else written to
+    /// `normed` first.
+    fn normed_input(&self, stream: Stream, weight: DPtr<bf16>, shape: Linear) -> Result<GemvInput> {
+        let fuse = self.gemv_serves(shape) && shape.in_features <= GEMV_NORM_MAX_IN;
+        if stream == Stream::Current && fuse {
+            return Ok(GemvInput::Normed {
+                residual: self.ws.x,
+                weight,
+                eps: self.config.rms_norm_eps,
+            });
         }
+        self.norm(shape.tokens, stream, weight, DPtr::NULL)?;
+        Ok(GemvInput::Rows(self.ws.normed))
+    }
+
+    /// `y = x · wᵀ` into bf16 rows.
+    fn project(&self, x: GemvInput, w: DPtr<bf16>, y: DPtr<bf16>, shape: Linear) -> Result<()> {
+        match x {
+            GemvInput::Rows(x) if !self.gemv_serves(shape) => self.gemm.linear(x, w, y, shape),
+            x => self.kernels.gemv(x, w, GemvOutput::Rows(y), shape),
+        }
+    }
+
+    /// A sublayer's output projection: added to the residual stream by the gemv where it
+    /// serves, else left in `proj` for the next norm to add.
+    fn project_out(&self, x: DPtr<bf16>, w: DPtr<bf16>, shape: Linear) -> Result<Stream> {
+        if self.gemv_serves(shape) {
+            let out = GemvOutput::Accumulate(self.ws.x);
+            self.kernels.gemv(GemvInput::Rows(x), w, out, shape)?;
+            return Ok(Stream::Current);
+        }
+        self.gemm.linear(x, w, self.ws.proj, shape)?;
+        Ok(Stream::Delta)
     }
 
     fn shape(&self) -> AttnShape {
@@ -257,19 +286,22 @@ impl Forward<'_> {
         }
     }
 
-    fn attention_block(&self, layer: usize, tokens: usize, mode: AttentionMode) -> Result<()> {
+    fn attention_block(
+        &self,
+        layer: usize,
+        tokens: usize,
+        mode: AttentionMode,
+        stream: Stream,
+    ) -> Result<Stream> {
         let (c, w) = (self.config, self.weights.layer(layer));
-        // The first layer has no previous sublayer output to add.
-        let delta = if layer == 0 { DPtr::NULL } else { self.ws.proj };
-        self.norm(tokens, delta, w.attn_norm, DPtr::NULL)?;
         let shape = self.shape();
-        let qkv = shape.qkv_width();
-        self.linear(
-            self.ws.normed,
-            w.wqkv,
-            self.ws.wide,
-            (tokens, c.hidden_size, qkv),
-        )?;
+        let qkv = Linear {
+            tokens,
+            in_features: c.hidden_size,
+            out_features: shape.qkv_width(),
+        };
+        let input = self.normed_input(stream, w.attn_norm, qkv)?;
+        self.project(input, w.wqkv, self.ws.wide, qkv)?;
         let (k_cache, v_cache) = (self.pool.cache(layer, false), self.pool.cache(layer, true));
         match mode {
             AttentionMode::Decode { rows, splits } => {
@@ -321,28 +353,47 @@ impl Forward<'_> {
                     .prefill_attention(&attention, items, tokens, &split)?
             }
         }
-        self.linear(
-            self.ws.narrow,
-            w.wo,
-            self.ws.proj,
-            (tokens, c.q_dim(), c.hidden_size),
-        )
+        let out = Linear {
+            tokens,
+            in_features: c.q_dim(),
+            out_features: c.hidden_size,
+        };
+        self.project_out(self.ws.narrow, w.wo, out)
     }
 
-    fn mlp_block(&self, layer: usize, tokens: usize) -> Result<()> {
+    fn mlp_block(&self, layer: usize, tokens: usize, stream: Stream) -> Result<Stream> {
         let (c, w) = (self.config, self.weights.layer(layer));
         let (h, f) = (c.hidden_size, c.intermediate_size);
-        self.norm(tokens, self.ws.proj, w.ffn_norm, DPtr::NULL)?;
-        self.linear(
-            self.ws.normed,
-            w.w_gate_up,
-            self.ws.wide,
-            (tokens, h, 2 * f),
-        )?;
-        self.kernels
-            .silu_mul(self.ws.wide, self.ws.narrow, tokens, f)?;
-        self.linear(self.ws.narrow, w.w_down, self.ws.proj, (tokens, f, h))
+        let gate_up = Linear {
+            tokens,
+            in_features: h,
+            out_features: 2 * f,
+        };
+        let input = self.normed_input(stream, w.ffn_norm, gate_up)?;
+        if self.gemv_serves(gate_up) {
+            let out = GemvOutput::Glu(self.ws.narrow);
+            self.kernels.gemv(input, w.w_gate_up, out, gate_up)?;
+        } else {
+            self.project(input, w.w_gate_up, self.ws.wide, gate_up)?;
+            self.kernels
+                .silu_mul(self.ws.wide, self.ws.narrow, tokens, f)?;
+        }
+        let down = Linear {
+            tokens,
+            in_features: f,
+            out_features: h,
+        };
+        self.project_out(self.ws.narrow, w.w_down, down)
     }
+}
+
+/// Where the residual stream stands between sublayers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stream {
+    /// `x` holds every sublayer's output so far.
+    Current,
+    /// The last sublayer's output waits in `proj`, for the next norm to add.
+    Delta,
 }
 
 /// Splits for decode attention over `rows` rows: enough blocks to fill the device

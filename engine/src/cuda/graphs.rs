@@ -4,13 +4,13 @@
 //! rows padded (see `step_meta`). A bucket's graph is captured the first time it is needed: the
 //! launches of one decode pass are recorded, not run, then instantiated and replayed. Replays
 //! read the step's metadata from the buffers `step_meta` refills before each one, so nothing in
-//! a graph is ever updated.
+//! a graph is ever updated. Each graph knows how many kernels it holds, cuBLAS's included.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
-use cudarc::driver::CudaGraph;
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUgraphNodeType, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, DriverError};
 
 use super::device::Device;
 use crate::error::Result;
@@ -26,8 +26,8 @@ pub fn bucket(rows: usize, max_rows: usize) -> Option<usize> {
         .filter(|&b| b <= max_rows)
 }
 
-/// A graph owned by one backend.
-struct Graph(CudaGraph);
+/// A graph owned by one backend, and the kernels it holds.
+struct Graph(CudaGraph, usize);
 
 // SAFETY: a graph is only launched through `&mut` access to the backend that owns it, so no
 // two threads ever use it at once; CUDA requires no more.
@@ -45,13 +45,47 @@ impl DecodeGraphs {
         device: &Device,
         bucket: usize,
         record: impl FnOnce() -> Result<()>,
-    ) -> Result<()> {
-        let graph = match self.graphs.entry(bucket) {
-            Entry::Occupied(graph) => graph.into_mut(),
-            Entry::Vacant(slot) => slot.insert(Graph(capture(device, record)?)),
+    ) -> Result<Replay> {
+        let (graph, captured) = match self.graphs.entry(bucket) {
+            Entry::Occupied(graph) => (graph.into_mut(), false),
+            Entry::Vacant(slot) => {
+                let graph = capture(device, record)?;
+                let kernels = kernel_nodes(&graph)?;
+                (slot.insert(Graph(graph, kernels)), true)
+            }
         };
-        Ok(graph.0.launch()?)
+        graph.0.launch()?;
+        Ok(Replay {
+            kernels: graph.1,
+            captured,
+        })
     }
+}
+
+/// What a replay ran.
+#[derive(Debug, Clone, Copy)]
+pub struct Replay {
+    /// Kernels in the graph.
+    pub kernels: usize,
+    /// Whether the graph was captured for this replay.
+    pub captured: bool,
+}
+
+/// The kernel nodes of a graph.
+fn kernel_nodes(graph: &CudaGraph) -> std::result::Result<usize, DriverError> {
+    let mut count = 0usize;
+    // SAFETY: the graph is alive; the first call only counts, the second fills `count` nodes.
+    unsafe { sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut count) }.result()?;
+    let mut nodes = vec![std::ptr::null_mut(); count];
+    unsafe { sys::cuGraphGetNodes(graph.cu_graph(), nodes.as_mut_ptr(), &mut count) }.result()?;
+    let mut kernels = 0;
+    for node in &nodes[..count] {
+        let mut kind = CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` belongs to the live graph.
+        unsafe { sys::cuGraphNodeGetType(*node, &mut kind) }.result()?;
+        kernels += (kind == CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL) as usize;
+    }
+    Ok(kernels)
 }
 
 fn capture(device: &Device, record: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {

@@ -346,7 +346,12 @@ fn gemv_matches_reference_for_few_tokens() {
             out_features: outf,
         };
         g.kernels
-            .gemv(x_d.ptr(), w_d.ptr(), y.ptr(), shape)
+            .gemv(
+                GemvInput::Rows(x_d.ptr()),
+                w_d.ptr(),
+                GemvOutput::Rows(y.ptr()),
+                shape,
+            )
             .unwrap();
         let want: Vec<f32> = (0..tokens * outf)
             .map(|i| {
@@ -357,6 +362,119 @@ fn gemv_matches_reference_for_few_tokens() {
             .collect();
         let got = g.download_bf16(y.ptr(), tokens * outf);
         assert_close(&format!("gemv {tokens}x{inf} by {outf}"), &got, &want, 4e-3);
+    }
+}
+
+/// `Σ_k x[t][k] · w[o][k]` in f64, for every token and output.
+fn reference_product(x: &[f32], w: &[f32], tokens: usize, inf: usize, outf: usize) -> Vec<f64> {
+    (0..tokens * outf)
+        .map(|i| {
+            let (t, o) = (i / outf, i % outf);
+            (0..inf)
+                .map(|k| x[t * inf + k] as f64 * w[o * inf + k] as f64)
+                .sum()
+        })
+        .collect()
+}
+
+/// RMSNorm of f32 rows with `weight`, rounded to bf16 as `add_rms_norm` writes it.
+fn reference_norm(x: &[f32], weight: &[f32], hidden: usize, eps: f32) -> Vec<f32> {
+    x.chunks(hidden)
+        .flat_map(|row| {
+            let mean = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / hidden as f64;
+            let scale = (1.0 / (mean + eps as f64).sqrt()) as f32;
+            row.iter()
+                .zip(weight)
+                .map(move |(&v, &g)| bf16::from_f32(v * scale * g).to_f32())
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gemv_fuses_the_norm_before_and_the_activation_or_residual_add_after() {
+    let g = gpu(64);
+    let eps = 1e-5;
+    for (tokens, inf, outf) in [(1, 576, 960), (3, 4096, 302), (8, 1536, 576), (2, 64, 8)] {
+        let mut r = rng(40 + tokens as u64);
+        let residual = uniform(&mut r, tokens * inf, 2.0);
+        let norm_weight = round_bf16(&uniform(&mut r, inf, 1.5));
+        let w = round_bf16(&uniform(&mut r, outf * inf, 0.1));
+        let x = round_bf16(&uniform(&mut r, tokens * inf, 1.0));
+        let (residual_d, norm_d) = (g.upload(&residual), g.upload_bf16(&norm_weight));
+        let (w_d, x_d) = (g.upload_bf16(&w), g.upload_bf16(&x));
+        let normed = GemvInput::Normed {
+            residual: residual_d.ptr(),
+            weight: norm_d.ptr(),
+            eps,
+        };
+        let shape = Linear {
+            tokens,
+            in_features: inf,
+            out_features: outf,
+        };
+        let what = |mode: &str| format!("{mode} {tokens}x{inf} by {outf}");
+
+        let y = g.poisoned(tokens * outf * 2);
+        g.kernels
+            .gemv(normed, w_d.ptr(), GemvOutput::Rows(y.ptr()), shape)
+            .unwrap();
+        let product = reference_product(
+            &reference_norm(&residual, &norm_weight, inf, eps),
+            &w,
+            tokens,
+            inf,
+            outf,
+        );
+        let want: Vec<f32> = product.iter().map(|&v| v as f32).collect();
+        let got = g.download_bf16(y.ptr(), tokens * outf);
+        assert_close(&what("gemv_norm"), &got, &want, 4e-3);
+
+        // Rows 0..f gate, f..2f up; silu(gate) · up from the bf16-rounded products.
+        let f = outf / 2;
+        let glu = |product: &[f64]| -> Vec<f32> {
+            (0..tokens * f)
+                .map(|i| {
+                    let (t, o) = (i / f, i % f);
+                    let gate = bf16::from_f64(product[t * outf + o]).to_f32();
+                    let up = bf16::from_f64(product[t * outf + f + o]).to_f32();
+                    gate / (1.0 + (-gate).exp()) * up
+                })
+                .collect()
+        };
+        let y = g.poisoned(tokens * f * 2);
+        g.kernels
+            .gemv(normed, w_d.ptr(), GemvOutput::Glu(y.ptr()), shape)
+            .unwrap();
+        let got = g.download_bf16(y.ptr(), tokens * f);
+        assert_close(&what("gemv_norm_glu"), &got, &glu(&product), 8e-3);
+
+        let plain = reference_product(&x, &w, tokens, inf, outf);
+        let y = g.poisoned(tokens * f * 2);
+        g.kernels
+            .gemv(
+                GemvInput::Rows(x_d.ptr()),
+                w_d.ptr(),
+                GemvOutput::Glu(y.ptr()),
+                shape,
+            )
+            .unwrap();
+        let got = g.download_bf16(y.ptr(), tokens * f);
+        assert_close(&what("gemv_glu"), &got, &glu(&plain), 8e-3);
+
+        let stream = uniform(&mut r, tokens * outf, 3.0);
+        let stream_d = g.upload(&stream);
+        let out = GemvOutput::Accumulate(stream_d.ptr());
+        g.kernels
+            .gemv(GemvInput::Rows(x_d.ptr()), w_d.ptr(), out, shape)
+            .unwrap();
+        let want: Vec<f32> = stream
+            .iter()
+            .zip(&plain)
+            .map(|(&s, &p)| s + bf16::from_f64(p).to_f32())
+            .collect();
+        let got = g.download(stream_d.ptr::<f32>(), tokens * outf);
+        assert_close(&what("gemv_accum"), &got, &want, 1e-3);
     }
 }
 

@@ -85,9 +85,22 @@ const NORM_CHUNKS: usize = 4;
 
 /// The most tokens [`Kernels::gemv`] takes.
 pub const GEMV_MAX_TOKENS: usize = 8;
-/// Output rows of one gemv block (`GEMV_WARPS · GEMV_ROWS`), and its threads.
-const GEMV_ROWS_PER_BLOCK: usize = 8;
+/// The weight rows one gemv block streams (`GEMV_ROWS`), and its threads.
+const GEMV_ROWS: usize = 8;
 const GEMV_THREADS: u32 = 128;
+/// The longest rows a gemv normalizes itself; longer ones are normalized by
+/// [`Kernels::add_rms_norm`] first, since each block would read its whole row of the f32
+/// stream (4,096 × 4 bytes for an 8B model: a third of the bytes of the eight weight rows it
+/// streams).
+pub const GEMV_NORM_MAX_IN: usize = 2048;
+/// The gemv kernels by what they fuse (see gemv.cu), each for at most 1, 2, 4 and 8 tokens.
+const GEMV_KERNELS: [&str; 5] = [
+    "gemv",
+    "gemv_norm",
+    "gemv_glu",
+    "gemv_norm_glu",
+    "gemv_accum",
+];
 
 const THREADS: u32 = 256;
 const ATTENTION_THREADS: u32 = 128;
@@ -154,8 +167,8 @@ pub struct Kernels {
     embed_tokens: CudaFunction,
     add_rms_norm: CudaFunction,
     silu_mul: CudaFunction,
-    /// For at most 1, 2, 4 and 8 tokens.
-    gemv: [CudaFunction; 4],
+    /// By [`GEMV_KERNELS`], then for at most 1, 2, 4 and 8 tokens.
+    gemv: Vec<[CudaFunction; 4]>,
     rope_kv_append: CudaFunction,
     decode_attention: CudaFunction,
     prefill_attention: CudaFunction,
@@ -187,7 +200,17 @@ impl Kernels {
             embed_tokens: f("embed_tokens")?,
             add_rms_norm: f("add_rms_norm")?,
             silu_mul: f("silu_mul")?,
-            gemv: [f("gemv_t1")?, f("gemv_t2")?, f("gemv_t4")?, f("gemv_t8")?],
+            gemv: GEMV_KERNELS
+                .iter()
+                .map(|name| {
+                    Ok([
+                        f(&format!("{name}_t1"))?,
+                        f(&format!("{name}_t2"))?,
+                        f(&format!("{name}_t4"))?,
+                        f(&format!("{name}_t8"))?,
+                    ])
+                })
+                .collect::<Result<_>>()?,
             rope_kv_append: f("rope_kv_append")?,
             decode_attention,
             prefill_attention,
@@ -255,8 +278,15 @@ impl Kernels {
     }
 
     /// `y = x · wᵀ` for at most [`GEMV_MAX_TOKENS`] tokens (bf16 `[tokens, in]` by
-    /// `[out, in]`).
-    pub fn gemv(&self, x: DPtr<bf16>, w: DPtr<bf16>, y: DPtr<bf16>, shape: Linear) -> Result<()> {
+    /// `[out, in]`), with the norm before it or the activation or residual add after it fused
+    /// as `input` and `output` say.
+    pub fn gemv(
+        &self,
+        input: GemvInput,
+        w: DPtr<bf16>,
+        output: GemvOutput,
+        shape: Linear,
+    ) -> Result<()> {
         let variant = match shape.tokens {
             1 => 0,
             2 => 1,
@@ -264,16 +294,40 @@ impl Kernels {
             5..=GEMV_MAX_TOKENS => 3,
             n => panic!("gemv takes 1 to {GEMV_MAX_TOKENS} tokens, not {n}"),
         };
-        let args = Args::new()
-            .ptr(x)
-            .ptr(w)
-            .ptr(y)
+        let normed = matches!(input, GemvInput::Normed { .. });
+        // Outputs of the launch, and how many one block writes.
+        let (kernel, outputs, per_block) = match (normed, output) {
+            (false, GemvOutput::Rows(_)) => (0, shape.out_features, GEMV_ROWS),
+            (true, GemvOutput::Rows(_)) => (1, shape.out_features, GEMV_ROWS),
+            (false, GemvOutput::Glu(_)) => (2, shape.out_features / 2, GEMV_ROWS / 2),
+            (true, GemvOutput::Glu(_)) => (3, shape.out_features / 2, GEMV_ROWS / 2),
+            (false, GemvOutput::Accumulate(_)) => (4, shape.out_features, GEMV_ROWS),
+            (true, GemvOutput::Accumulate(_)) => {
+                panic!("no gemv adds the product of a normed input to the residual stream")
+            }
+        };
+        let args = match input {
+            GemvInput::Rows(x) => Args::new().ptr(x).ptr(w),
+            GemvInput::Normed { residual, .. } => Args::new().ptr(residual).ptr(w),
+        };
+        let args = match output {
+            GemvOutput::Rows(y) | GemvOutput::Glu(y) => args.ptr(y),
+            GemvOutput::Accumulate(y) => args.ptr(y),
+        };
+        let (norm_weight, eps) = match input {
+            GemvInput::Rows(_) => (DPtr::NULL, 0.0),
+            GemvInput::Normed { weight, eps, .. } => (weight, eps),
+        };
+        let args = args
+            .ptr(norm_weight)
+            .f32(eps)
             .u32(shape.tokens as u32)
             .u32(shape.in_features as u32)
-            .u32(shape.out_features as u32);
-        let blocks = shape.out_features.div_ceil(GEMV_ROWS_PER_BLOCK) as u32;
+            .u32(outputs as u32);
+        let blocks = outputs.div_ceil(per_block) as u32;
+        let function = &self.gemv[kernel][variant];
         self.device
-            .launch(&self.gemv[variant], (blocks, 1, 1), GEMV_THREADS, &args)
+            .launch(function, (blocks, 1, 1), GEMV_THREADS, &args)
     }
 
     /// Bias, rotary embedding of q and k, and the append of k and v to the paged cache.
@@ -485,6 +539,32 @@ pub struct Embed {
     pub residual: DPtr<f32>,
     pub tokens: usize,
     pub hidden: usize,
+}
+
+/// What a gemv reads.
+#[derive(Debug, Clone, Copy)]
+pub enum GemvInput {
+    /// bf16 rows, `[tokens, in]`.
+    Rows(DPtr<bf16>),
+    /// The RMSNorm with `weight` of the f32 residual stream `[tokens, in]`, computed on the fly
+    /// as [`Kernels::add_rms_norm`] would write it.
+    Normed {
+        residual: DPtr<f32>,
+        weight: DPtr<bf16>,
+        eps: f32,
+    },
+}
+
+/// What a gemv writes.
+#[derive(Debug, Clone, Copy)]
+pub enum GemvOutput {
+    /// bf16 rows, `[tokens, out]`.
+    Rows(DPtr<bf16>),
+    /// The weight's rows are `[gate; up]`: `silu(gate) · up` as bf16 rows `[tokens, out / 2]`,
+    /// as [`Kernels::silu_mul`] would write it.
+    Glu(DPtr<bf16>),
+    /// The product, rounded to bf16, added to the f32 residual stream `[tokens, out]`.
+    Accumulate(DPtr<f32>),
 }
 
 /// Arguments of [`Kernels::add_rms_norm`]; `delta` and `out_rows` may be [`DPtr::NULL`].

@@ -148,6 +148,10 @@ pub struct CudaBackend {
     info: BackendInfo,
     plan: MemoryPlan,
     graphs: Option<DecodeGraphs>,
+    /// What the last step's graph replay ran, if it replayed one.
+    last_replay: Option<graphs::Replay>,
+    /// Kernels the last sampled step launched, where all were counted.
+    last_step_kernels: Option<usize>,
     backings: Backings,
     meta: StepMeta,
     ws: Workspace,
@@ -227,6 +231,8 @@ impl CudaBackend {
             ws: Workspace::new(&device, &config, sizes)?,
             gemm: Gemm::new(&device)?,
             graphs: options.cuda_graphs.then(DecodeGraphs::default),
+            last_replay: None,
+            last_step_kernels: None,
             backings: Backings::new(
                 &device,
                 ArenaSizes {
@@ -385,7 +391,7 @@ impl CudaBackend {
             forward.logits(0, bucket)
         });
         self.graphs = Some(graphs);
-        replayed?;
+        self.last_replay = Some(replayed?);
         Ok((layout, true))
     }
 
@@ -530,12 +536,17 @@ impl Backend for CudaBackend {
         samplers: &mut [Option<&mut Sampler>],
     ) -> Result<Vec<Option<u32>>> {
         assert_eq!(plan.rows.len(), samplers.len(), "one sampler slot per row");
+        self.last_step_kernels = None;
         self.device.bind()?;
         plan.validate(&self.info)?;
         if plan.rows.is_empty() {
             return Ok(Vec::new());
         }
         self.sample_step(plan, samplers)
+    }
+
+    fn last_step_kernels(&self) -> Option<usize> {
+        self.last_step_kernels
     }
 
     fn alloc_backing(&mut self, backing: BackingId, tier: Tier, bytes: u64) -> Result<()> {
@@ -611,6 +622,8 @@ impl CudaBackend {
             }
         }
         let rows = plan.rows.len();
+        let launches = self.device.launches();
+        self.last_replay = None;
         let (_, projected) = self.execute(plan, LogitSelection::LastOfEachRow, &params)?;
         if !projected {
             self.forward().logits(0, rows)?;
@@ -632,6 +645,11 @@ impl CudaBackend {
             self.ws.sampled,
             rows,
         )?;
+        // cuBLAS's kernels are counted only inside a graph.
+        self.last_step_kernels = self
+            .last_replay
+            .filter(|replay| !replay.captured)
+            .map(|replay| replay.kernels + self.device.launches() - launches);
         let mut picked = vec![0u32; rows];
         self.device.download(self.ws.sampled, &mut picked)?;
         host_picks.into_iter().for_each(|(r, t)| picked[r] = t);
