@@ -15,6 +15,18 @@ typedef unsigned long long u64;
 #define SAMPLE_PARAM_WORDS 6
 #define NEG_INF __int_as_float(0xff800000)
 
+// Programmatic dependent launch (sm_90 and newer), called first by every kernel: wait until the
+// kernels before it have finished and their writes are visible, then let the next kernel launch.
+// The next kernel's blocks are then resident and waiting when this one ends, so a chain of small
+// kernels (a decode step at batch 1) loses most of the launch gap between them. Where the launch
+// did not ask for it, or before sm_90, both are no-ops.
+__device__ __forceinline__ void pdl_begin() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 __device__ __forceinline__ float bf16_to_f32(bf16 v) {
     return __uint_as_float(((u32)v) << 16);
 }

@@ -338,6 +338,7 @@ __device__ void decode_attention(const DecodeArgs& a) {
         const u32* page_table, u32 table_stride, const u32* row_start_token,                      \
         const u32* row_start_pos, u32 heads, u32 kv_heads, u32 page_tokens, u32 window,           \
         float scale_log2, bf16* out, float* o_part, float* lse_part, u32* done, u32 splits) {      \
+        pdl_begin();                                                                               \
         DecodeArgs a = {qkv,     bias,           inv_freq,      k_cache, v_cache,                 \
                         page_table, table_stride, row_start_token, row_start_pos, heads,           \
                         kv_heads, page_tokens,   window,        scale_log2, out,                   \

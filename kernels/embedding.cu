@@ -4,6 +4,7 @@
 extern "C" __global__ void embed_tokens(const bf16* __restrict__ table,
                                         const u32* __restrict__ token_ids,
                                         float* __restrict__ residual, u32 hidden) {
+    pdl_begin();
     const uint4* row = (const uint4*)(table + (u64)token_ids[blockIdx.x] * hidden);
     float4* out = (float4*)(residual + (u64)blockIdx.x * hidden);
     for (u32 c = threadIdx.x; c < hidden / 8; c += blockDim.x) {

@@ -159,6 +159,7 @@ __device__ void gemv(const void* __restrict__ xp, const bf16* __restrict__ w, vo
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                 \
         NAME##_t##T(const void* x, const bf16* w, void* y, const bf16* norm_w, float eps,          \
                     u32 tokens, u32 in, u32 out) {                                                \
+        pdl_begin();                                                                               \
         gemv<T, MODE>(x, w, y, norm_w, eps, tokens, in, out);                                     \
     }
 #define GEMV_ENTRIES(NAME, MODE)                                                                  \

@@ -10,6 +10,7 @@
 extern "C" __global__ void gather_pages(const uint4* __restrict__ pool, uint4* __restrict__ snapshot,
                                         const u32* __restrict__ copies, u32 pages_total,
                                         u32 page_words, u32 layers) {
+    pdl_begin();
     u32 snap_page = copies[2 * blockIdx.x], pool_page = copies[2 * blockIdx.x + 1];
     u32 block = blockIdx.y;  // layer · 2 + (0 for K, 1 for V)
     const uint4* src = pool + ((u64)block * pages_total + pool_page) * page_words;
@@ -21,6 +22,7 @@ extern "C" __global__ void gather_pages(const uint4* __restrict__ pool, uint4* _
 extern "C" __global__ void scatter_pages(const uint4* __restrict__ snapshot, uint4* __restrict__ pool,
                                          const u32* __restrict__ copies, u32 pages_total,
                                          u32 page_words, u32 layers) {
+    pdl_begin();
     u32 snap_page = copies[2 * blockIdx.x], pool_page = copies[2 * blockIdx.x + 1];
     u32 block = blockIdx.y;
     const uint4* src = snapshot + ((u64)snap_page * 2 * layers + block) * page_words;

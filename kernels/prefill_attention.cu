@@ -297,6 +297,7 @@ extern "C" __global__ void merge_attention_splits(const float* __restrict__ o_pa
                                                   const float* __restrict__ lse_part,
                                                   bf16* __restrict__ out, u32 heads, u32 head_dim,
                                                   u32 splits) {
+    pdl_begin();
     u64 slot = (u64)blockIdx.x * heads + blockIdx.y;
     const float* lse = lse_part + slot * splits;
     float mx = NEG_INF;
@@ -320,6 +321,7 @@ extern "C" __global__ void merge_attention_splits(const float* __restrict__ o_pa
                                const u32* row_len, const u32* items, u32 heads, u32 kv_heads,     \
                                u32 page_tokens, u32 window, float scale_log2, bf16* out,          \
                                u32 splits, float* o_part, float* lse_part) {                      \
+        pdl_begin();                                                                               \
         prefill_attention<D>(qkv, qkv_stride, k_cache, v_cache, page_table, table_stride,         \
                              row_start_token, row_start_pos, row_len, items, heads, kv_heads,     \
                              page_tokens, window, scale_log2, out, splits, o_part, lse_part);     \

@@ -12,6 +12,7 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
 
 extern "C" __global__ void fill_uniform_bf16(bf16* __restrict__ out, u64 n, u64 seed, float lo,
                                              float hi) {
+    pdl_begin();
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         float u = (float)(splitmix64(seed ^ splitmix64(i)) >> 40) * (1.f / 16777216.f);

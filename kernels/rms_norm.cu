@@ -17,6 +17,7 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ residual,
                                         bf16* __restrict__ out,
                                         const u32* __restrict__ out_rows,
                                         u32 hidden, float eps) {
+    pdl_begin();
     __shared__ float scratch[32];
     u32 t = blockIdx.x, chunks = hidden / 8;
     float4* x = (float4*)(residual + (u64)t * hidden);

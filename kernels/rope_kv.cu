@@ -13,6 +13,7 @@ extern "C" __global__ void rope_kv_append(bf16* __restrict__ qkv, const bf16* __
                                           const u32* __restrict__ slots,
                                           bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
                                           u32 heads, u32 kv_heads, u32 head_dim) {
+    pdl_begin();
     u32 t = blockIdx.x, half = head_dim / 2;
     bf16* row = qkv + (u64)t * (heads + 2 * kv_heads) * head_dim;
     float pos = (float)positions[t];

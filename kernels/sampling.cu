@@ -187,6 +187,7 @@ __device__ u32 draw(const float* w, u32 vocab, double uniform, double* ds, u32* 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(float* __restrict__ logits, u32 vocab, const u32* __restrict__ params,
                 u32* __restrict__ tokens) {
+    pdl_begin();
     __shared__ float fs[32];
     __shared__ u32 us[SAMPLE_THREADS];
     __shared__ double ds[SAMPLE_THREADS];

@@ -2,6 +2,7 @@
 
 extern "C" __global__ void silu_mul(const bf16* __restrict__ gate_up, bf16* __restrict__ out,
                                     u32 tokens, u32 ffn) {
+    pdl_begin();
     u32 n = tokens * ffn;
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         u32 t = i / ffn, j = i - t * ffn;

@@ -22,6 +22,7 @@ extern "C" __global__ void unpack_step(const u32* __restrict__ blob, u32* __rest
                                        u32* __restrict__ page_table, u32 table_stride,
                                        u32* __restrict__ items_out,
                                        u32* __restrict__ sample_params) {
+    pdl_begin();
     u32 tokens = blob[0], rows = blob[1], items = blob[2], entries = blob[3], sampled = blob[4];
     const u32* tok = blob + STEP_HEADER_WORDS;
     const u32* row = tok + 4 * tokens;

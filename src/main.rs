@@ -111,6 +111,10 @@ struct BenchArgs {
     #[arg(long)]
     no_cuda_graphs: bool,
 
+    /// Launch kernels one after the other instead of as programmatic dependents (sm_90+).
+    #[arg(long)]
+    no_programmatic_launch: bool,
+
     /// Steps of at most this many tokens (0 to 8) project small weights through snapserve's
     /// gemv kernel instead of cuBLAS.
     #[arg(long, default_value_t = engine::cuda::DEFAULT_GEMV_MAX_TOKENS)]
@@ -653,6 +657,7 @@ fn cuda_bench_backend(cache_dir: &Path, args: &BenchArgs, spec: &BenchSpec) -> R
         cuda_graphs: !args.no_cuda_graphs,
         gemv_max_tokens: args.gemv_max_tokens,
         gemv_max_weight_bytes: args.gemv_max_weight_mib << 20,
+        programmatic_launch: !args.no_programmatic_launch,
         pool: PoolSize::MemoryFraction(1.0),
         device_snapshot_bytes: 0,
         ..CudaOptions::for_tokens(

@@ -11,7 +11,7 @@
 use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use cudarc::driver::sys::{self, CUdeviceptr, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, result};
@@ -31,6 +31,8 @@ pub struct Device {
     pub total_bytes: u64,
     /// Kernels launched (or captured into a graph) through [`Device::launch`] so far.
     launches: AtomicUsize,
+    /// Launches are programmatic dependents of the kernel before them.
+    programmatic: AtomicBool,
 }
 
 impl Device {
@@ -69,6 +71,7 @@ impl Device {
             compute_capability,
             multiprocessors,
             launches: AtomicUsize::new(0),
+            programmatic: AtomicBool::new(compute_capability.0 >= 9),
         }))
     }
 
@@ -141,19 +144,58 @@ impl Device {
         for (param, word) in params.iter_mut().zip(&args.words[..args.len]) {
             *param = word as *const u64 as *mut c_void;
         }
-        // SAFETY: each kernel's typed wrapper in `kernels` passes the arguments its source
-        // declares, in order; every word outlives the call, which copies them.
+        if !self.programmatic.load(Ordering::Relaxed) {
+            // SAFETY: each kernel's typed wrapper in `kernels` passes the arguments its source
+            // declares, in order; every word outlives the call, which copies them.
+            unsafe {
+                result::launch_kernel(
+                    func.cu_function(),
+                    grid,
+                    (block, 1, 1),
+                    shared_bytes,
+                    self.stream.cu_stream(),
+                    &mut params[..args.len],
+                )
+            }?;
+            return Ok(());
+        }
+        let mut attribute = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            // SAFETY: an all-zero value is a valid union; the field set is the one `id` names.
+            value: unsafe { std::mem::zeroed() },
+        };
+        attribute.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        // SAFETY: as above; `config` and its attribute outlive the call.
         unsafe {
-            result::launch_kernel(
+            sys::cuLaunchKernelEx(
+                &config,
                 func.cu_function(),
-                grid,
-                (block, 1, 1),
-                shared_bytes,
-                self.stream.cu_stream(),
-                &mut params[..args.len],
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
             )
-        }?;
+        }
+        .result()?;
         Ok(())
+    }
+
+    /// Whether kernels launch as programmatic dependents of the one before (see `pdl_begin` in
+    /// `kernels/common.cuh`): on by default where the device has it (sm_90 and newer).
+    pub fn set_programmatic_launch(&self, on: bool) {
+        let supported = self.compute_capability.0 >= 9;
+        self.programmatic.store(on && supported, Ordering::Relaxed);
     }
 
     /// Lets `func` take up to `bytes` of dynamic shared memory a block.

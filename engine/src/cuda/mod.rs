@@ -86,6 +86,12 @@ pub struct CudaOptions {
     pub gemv_max_tokens: usize,
     /// Only weights of at most this many bytes go through the gemv kernel.
     pub gemv_max_weight_bytes: usize,
+    /// Launch each kernel of a step of at most `gemv_max_tokens` tokens as a programmatic
+    /// dependent of the one before, where the device has it (sm_90 and newer): its blocks wait
+    /// on the device instead of being launched after. Measured on the H200: SmolLM2 batch 1 ×
+    /// 512 1,519 / 1,534 → 1,607 / 1,609 tok/s; at batch 8 it cost 2% (8,352 / 8,336 → 8,193 /
+    /// 8,171), so larger steps launch plainly.
+    pub programmatic_launch: bool,
 }
 
 impl CudaOptions {
@@ -113,6 +119,7 @@ impl CudaOptions {
             max_rows: admission.max_running(),
             gemv_max_tokens: DEFAULT_GEMV_MAX_TOKENS,
             gemv_max_weight_bytes: forward::GEMV_MAX_WEIGHT_BYTES,
+            programmatic_launch: true,
         }
     }
 
@@ -131,6 +138,7 @@ impl CudaOptions {
             max_rows,
             gemv_max_tokens: DEFAULT_GEMV_MAX_TOKENS,
             gemv_max_weight_bytes: forward::GEMV_MAX_WEIGHT_BYTES,
+            programmatic_launch: true,
         }
     }
 }
@@ -145,6 +153,7 @@ pub struct CudaBackend {
     config: ModelConfig,
     gemv_max_tokens: usize,
     gemv_max_weight_bytes: usize,
+    programmatic_launch: bool,
     info: BackendInfo,
     plan: MemoryPlan,
     graphs: Option<DecodeGraphs>,
@@ -247,6 +256,7 @@ impl CudaBackend {
             device,
             gemv_max_tokens: options.gemv_max_tokens.min(kernels::GEMV_MAX_TOKENS),
             gemv_max_weight_bytes: options.gemv_max_weight_bytes,
+            programmatic_launch: options.programmatic_launch,
             config,
             info,
             plan,
@@ -306,6 +316,10 @@ impl CudaBackend {
         sample_params: &[u32],
     ) -> Result<(StepLayout, bool)> {
         let decode = plan.rows.iter().all(|r| r.tokens.len() == 1);
+        // A graph keeps the launches it was captured with: bucket 1 is the only small one.
+        let small = plan.total_tokens() <= self.gemv_max_tokens;
+        self.device
+            .set_programmatic_launch(self.programmatic_launch && small);
         let max_rows = self.ws.sizes.rows.min(self.ws.sizes.logit_rows);
         let bucket =
             graphs::bucket(plan.rows.len(), max_rows).filter(|_| decode && self.graphs.is_some());
