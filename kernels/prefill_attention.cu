@@ -2,7 +2,7 @@
 // continuing a restored prefix), flash-attention style on the tensor cores.
 //
 // A block takes one work item (a row and up to PREFILL_ROWS / group of its consecutive query
-// tokens), one KV head and up to MAX_GROUP query heads sharing it: its 64 query rows are
+// tokens), one KV head and up to MAX_GROUP query heads sharing it: its PREFILL_ROWS query rows are
 // (token, head) pairs, so grouped heads share every K and V tile. Tiles of 64 key positions are
 // gathered from the row's pages into shared memory (cp.async, zero-filled past the end), the
 // next tile's copy in flight while the current one is used; each warp runs S = Q·Kᵀ and
@@ -16,15 +16,20 @@
 // `splits` blocks (grid z). Then each block writes its normalized partial output and its
 // log2-sum-exp, and merge_attention_splits combines them into the bf16 output.
 
+// Warps of a block, each 16 query rows: the engine defines PREFILL_WARPS before this file.
+// More rows a block read each K and V tile for more queries: at 8 warps an 8,192-token
+// prompt of an 8B model reads half the tiles it reads at 4.
+#ifndef PREFILL_WARPS
 #define PREFILL_WARPS 4
-#define PREFILL_ROWS 64
+#endif
+#define PREFILL_ROWS (PREFILL_WARPS * 16)
 #define KEY_TILE 64
 // K and V tiles in flight: the kernel's dynamic shared memory is PREFILL_STAGES · 2 tiles of
 // KEY_TILE × (D + 8) bf16 (the engine's tile_shared_bytes; decode attention's too).
 #define PREFILL_STAGES 2
 // Blocks a multiprocessor must be able to hold (caps the registers a thread may use).
 #ifndef PREFILL_MIN_BLOCKS
-#define PREFILL_MIN_BLOCKS 2
+#define PREFILL_MIN_BLOCKS (8 / PREFILL_WARPS)
 #endif
 
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {

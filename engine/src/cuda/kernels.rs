@@ -56,8 +56,11 @@ const SOURCES: [(&str, &str); 12] = [
 /// Head dimensions the attention kernels are instantiated for.
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
-/// Query rows (token × head pairs) of one prefill attention block (`PREFILL_ROWS`).
-const PREFILL_ROWS: usize = 64;
+/// Warps of one prefill attention block, each 16 query rows (`PREFILL_WARPS`, defined for the
+/// kernels by [`program_source`]), and its query rows (token × head pairs).
+const PREFILL_WARPS: usize = 8;
+const PREFILL_ROWS: usize = PREFILL_WARPS * 16;
+const PREFILL_THREADS: u32 = (PREFILL_WARPS * 32) as u32;
 /// Key positions of one prefill attention tile (`KEY_TILE`), and tiles in flight
 /// (`PREFILL_STAGES`).
 const KEY_TILE: usize = 64;
@@ -118,7 +121,7 @@ pub const KERNEL_DIR_ENV: &str = "SNAPSERVE_KERNEL_DIR";
 /// The whole program's source, each file after a `#line` marker.
 fn program_source() -> Result<String> {
     let dir = std::env::var_os(KERNEL_DIR_ENV).map(std::path::PathBuf::from);
-    let mut program = String::new();
+    let mut program = format!("#define PREFILL_WARPS {PREFILL_WARPS}\n");
     for (name, text) in SOURCES {
         let text = match &dir {
             Some(dir) if dir.join(name).exists() => {
@@ -431,7 +434,7 @@ impl Kernels {
         self.device.launch_with_shared(
             &self.prefill_attention,
             grid,
-            ATTENTION_THREADS,
+            PREFILL_THREADS,
             shared,
             &args,
         )?;
