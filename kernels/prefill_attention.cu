@@ -16,9 +16,8 @@
 // `splits` blocks (grid z). Then each block writes its normalized partial output and its
 // log2-sum-exp, and merge_attention_splits combines them into the bf16 output.
 
-// Warps of a block, each 16 query rows: the engine defines PREFILL_WARPS before this file.
-// More rows a block read each K and V tile for more queries: at 8 warps an 8,192-token
-// prompt of an 8B model reads half the tiles it reads at 4.
+// Warps of a block, each 16 query rows: the engine defines PREFILL_WARPS before this file
+// (see there why 4). More rows a block read each K and V tile for more queries.
 #ifndef PREFILL_WARPS
 #define PREFILL_WARPS 4
 #endif
