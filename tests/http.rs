@@ -577,3 +577,66 @@ fn hostile_input_gets_clear_4xx_answers_and_the_server_lives_on() {
     );
     server.stop_gracefully();
 }
+
+/// `GET /v1/models/{id}` answers what the list holds (an SDK's `models.retrieve`), another id is
+/// a 404 naming the model, a known path asked with the wrong method a 405 with `Allow`, and
+/// every metric family has its `# HELP`.
+#[test]
+fn models_by_id_wrong_methods_and_described_metrics() {
+    let server = Server::start(&smollm2(), CONFIG);
+    let (status, list) = server.get_text("/v1/models");
+    assert_eq!(status, 200);
+    let listed: Value = serde_json::from_str(&list).unwrap();
+    let model = &listed["data"][0];
+    let id = model["id"].as_str().unwrap();
+    let (status, one) = server.get_text(&format!("/v1/models/{id}"));
+    assert_eq!(status, 200, "{one}");
+    assert_eq!(&serde_json::from_str::<Value>(&one).unwrap(), model);
+
+    let unknown = server
+        .raw_exchange(b"GET /v1/models/gpt-4o HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    assert_openai_error("an unknown model", &unknown);
+    assert_eq!(unknown.status, 404);
+    let error = unknown.json()["error"].clone();
+    assert_eq!(error["code"], "model_not_found");
+    assert_eq!(error["param"], "model");
+
+    for (request, allow) in [
+        (post_raw("/v1/models", b"{}"), "GET"),
+        (post_raw("/health", b"{}"), "GET"),
+        (
+            b"GET /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),
+            "POST",
+        ),
+        (
+            b"DELETE /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),
+            "POST",
+        ),
+    ] {
+        let what = String::from_utf8_lossy(&request[..request.len().min(40)]).into_owned();
+        let answer = server.raw_exchange(&request).unwrap();
+        assert_openai_error(&what, &answer);
+        assert_eq!(answer.status, 405, "{what}");
+        assert_eq!(answer.header("allow"), Some(allow), "{what}");
+        assert_eq!(answer.json()["error"]["code"], "method_not_allowed");
+    }
+
+    // One request, so the latency histograms exist too.
+    let request = json!({"prompt": "Hello", "max_tokens": 2, "temperature": 0});
+    let (status, _, body) = server.post("/v1/completions", &request);
+    assert_eq!(status, 200, "{body}");
+    let (_, metrics) = server.get_text("/metrics");
+    let families: Vec<&str> = metrics
+        .lines()
+        .filter_map(|line| line.strip_prefix("# TYPE ")?.split_whitespace().next())
+        .collect();
+    assert!(families.len() >= 25, "{metrics}");
+    for family in families {
+        let help = format!("# HELP {family} ");
+        assert!(
+            metrics.lines().any(|line| line.starts_with(&help)),
+            "{family} has no # HELP line:\n{metrics}"
+        );
+    }
+}

@@ -6,7 +6,9 @@
 //! between tokens and request duration by the HTTP layer, step duration by the scheduler loop.
 //! Without an installed recorder (library use, tests) the recording calls do nothing.
 
-use metrics::{counter, gauge, histogram};
+use metrics::{
+    Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
+};
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::start::Handles;
@@ -18,11 +20,151 @@ const SECONDS_BUCKETS: &[f64] = &[
     60.0, 120.0,
 ];
 
-/// Installs the process-wide Prometheus recorder; its handle renders the text format.
+/// Installs the process-wide Prometheus recorder, every family described (its `# HELP`); its
+/// handle renders the text format.
 pub fn install() -> Result<PrometheusHandle, BuildError> {
-    PrometheusBuilder::new()
+    let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)?
-        .install_recorder()
+        .install_recorder()?;
+    describe();
+    Ok(handle)
+}
+
+/// Every family's help text, the one place its meaning is written down.
+fn describe() {
+    let counters = [
+        (
+            "snapserve_requests_total",
+            "Requests that ended, by outcome (finished, failed, cancelled).",
+        ),
+        (
+            "snapserve_request_errors_total",
+            "HTTP error answers, by their error code.",
+        ),
+        (
+            "snapserve_prompt_tokens_total",
+            "Prompt tokens of accepted requests.",
+        ),
+        (
+            "snapserve_generation_tokens_total",
+            "Tokens generated and delivered.",
+        ),
+        (
+            "snapserve_prefix_reused_tokens_total",
+            "Prompt tokens restored from snapshots instead of computed.",
+        ),
+        (
+            "snapserve_context_full_backoffs_total",
+            "Times a request backed off because the KV pool could not grow its sequence.",
+        ),
+        (
+            "snapserve_preemptions_total",
+            "Running requests sent back to the queue to free KV pages.",
+        ),
+        ("snapserve_scheduler_steps_total", "Scheduler steps run."),
+        (
+            "snapserve_multi_step_steps_total",
+            "Scheduler steps that ran several decode steps in one engine step.",
+        ),
+        (
+            "snapserve_snapshot_hits_total",
+            "Snapshot lookups that found a stored prefix.",
+        ),
+        (
+            "snapserve_snapshot_misses_total",
+            "Snapshot lookups that found none.",
+        ),
+        (
+            "snapserve_snapshot_evictions_total",
+            "Snapshots dropped, least recently used first, to make room in a tier.",
+        ),
+        (
+            "snapserve_snapshot_demotions_total",
+            "Snapshots moved from the device tier to the host tier.",
+        ),
+        (
+            "snapserve_snapshot_refusals_total",
+            "Snapshot saves refused: larger than what the tier could free.",
+        ),
+        ("snapserve_snapshot_saves_total", "Snapshots saved."),
+        (
+            "snapserve_snapshot_saves_skipped_total",
+            "Prompt saves skipped by the save policy (not seen often enough yet).",
+        ),
+    ];
+    for (name, help) in counters {
+        describe_counter!(name, Unit::Count, help);
+    }
+    let gauges = [
+        (
+            "snapserve_queue_requests",
+            Unit::Count,
+            "Requests waiting in the queue.",
+        ),
+        (
+            "snapserve_running_requests",
+            Unit::Count,
+            "Requests being computed.",
+        ),
+        (
+            "snapserve_kv_pool_usage_ratio",
+            Unit::Percent,
+            "Share of the KV pool's pages in use, 0 to 1.",
+        ),
+        (
+            "snapserve_kv_pool_pages",
+            Unit::Count,
+            "KV pool pages, by state (used, free, reserved).",
+        ),
+        (
+            "snapserve_snapshot_bytes",
+            Unit::Bytes,
+            "Bytes of snapshots charged to each tier (device, host).",
+        ),
+        (
+            "snapserve_snapshot_budget_bytes",
+            Unit::Bytes,
+            "Byte budget of each snapshot tier.",
+        ),
+        (
+            "snapserve_snapshots",
+            Unit::Count,
+            "Snapshots held in each tier.",
+        ),
+        (
+            "snapserve_memory_bytes",
+            Unit::Bytes,
+            "Memory the engine holds, by kind (weights, kv_pool, device_snapshots, host_snapshots).",
+        ),
+    ];
+    for (name, unit, help) in gauges {
+        describe_gauge!(name, unit, help);
+    }
+    let histograms = [
+        (
+            "snapserve_time_to_first_token_seconds",
+            "Time from a request's arrival to its first token.",
+        ),
+        (
+            "snapserve_inter_token_latency_seconds",
+            "Time between consecutive chunks of a streamed answer.",
+        ),
+        (
+            "snapserve_request_duration_seconds",
+            "Time from a request's arrival to its end, by finish reason.",
+        ),
+        (
+            "snapserve_step_duration_seconds",
+            "One scheduler step, from planning to the engine's answer.",
+        ),
+        (
+            "snapserve_forward_duration_seconds",
+            "The engine's forward pass and sampling of one step.",
+        ),
+    ];
+    for (name, help) in histograms {
+        describe_histogram!(name, Unit::Seconds, help);
+    }
 }
 
 /// Sets the gauges and counters that mirror the actors' state, then renders everything.

@@ -19,6 +19,8 @@ pub struct ApiError {
     pub code: &'static str,
     pub param: Option<String>,
     pub retry_after: Option<Duration>,
+    /// The methods a path answers, for a 405's `Allow` header.
+    pub allow: Option<&'static str>,
 }
 
 impl ApiError {
@@ -30,6 +32,7 @@ impl ApiError {
             code: "invalid_request",
             param: None,
             retry_after: None,
+            allow: None,
         }
     }
 
@@ -48,6 +51,16 @@ impl ApiError {
                 "model",
                 format!("the model `{asked}` does not exist; this server serves `{served}`"),
             )
+        }
+    }
+
+    /// A path asked with a method it does not answer.
+    pub fn method_not_allowed(method: &str, path: &str, allow: &'static str) -> Self {
+        ApiError {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            code: "method_not_allowed",
+            allow: Some(allow),
+            ..ApiError::invalid(format!("{path} answers {allow}, not {method}"))
         }
     }
 
@@ -96,6 +109,7 @@ impl From<ServeError> for ApiError {
             code: error.code(),
             param: None,
             retry_after,
+            allow: None,
         }
     }
 }
@@ -121,6 +135,9 @@ impl ResponseError for ApiError {
             // Whole seconds, rounded up: a client that waits that long finds room.
             let seconds = after.as_millis().div_ceil(1000).max(1);
             response.insert_header(("Retry-After", seconds.to_string()));
+        }
+        if let Some(allow) = self.allow {
+            response.insert_header(("Allow", allow));
         }
         response.json(self.body())
     }

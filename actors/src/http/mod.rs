@@ -1,6 +1,7 @@
 //! The OpenAI-compatible HTTP API over the actors: `POST /v1/completions` and
-//! `POST /v1/chat/completions` (whole or streamed as server-sent events), `GET /v1/models` and
-//! `GET /health`.
+//! `POST /v1/chat/completions` (whole or streamed as server-sent events), `GET /v1/models`,
+//! `GET /v1/models/{id}`, `GET /metrics` and `GET /health`; another method on one of those paths
+//! is a 405 with `Allow`.
 //!
 //! A handler tokenizes and checks the request ([`api`]), submits it through [`Handles`] and
 //! reads the request's own channel, turning tokens into text as they become final
@@ -19,7 +20,7 @@ mod serve;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use actix_web::http::StatusCode;
+use actix_web::http::{Method, StatusCode};
 use actix_web::{HttpRequest, HttpResponse, web};
 use engine::chat::ChatTemplate;
 use engine::model::ModelFiles;
@@ -73,15 +74,27 @@ pub struct ApiState {
     pub body: BodyLimits,
 }
 
-/// Adds the API's routes to an actix-web app.
+/// Adds the API's routes to an actix-web app. A known path asked with another method is a 405
+/// naming the one it answers (`Allow`); an unknown path a 404 listing the routes.
 pub fn routes(config: &mut web::ServiceConfig) {
     config
-        .route("/health", web::get().to(health))
-        .route("/v1/models", web::get().to(models))
-        .route("/metrics", web::get().to(prometheus_metrics))
-        .route("/v1/completions", web::post().to(completions))
-        .route("/v1/chat/completions", web::post().to(chat_completions))
+        .service(only("/health", Method::GET).route(web::get().to(health)))
+        .service(only("/v1/models", Method::GET).route(web::get().to(models)))
+        // Ids may hold slashes (`org/name`), which the SDKs send as they are.
+        .service(only("/v1/models/{id:.+}", Method::GET).route(web::get().to(model)))
+        .service(only("/metrics", Method::GET).route(web::get().to(prometheus_metrics)))
+        .service(only("/v1/completions", Method::POST).route(web::post().to(completions)))
+        .service(only("/v1/chat/completions", Method::POST).route(web::post().to(chat_completions)))
         .default_service(web::to(not_found));
+}
+
+/// A resource at `path` whose other methods are answered with a 405 allowing `method`.
+fn only(path: &str, method: Method) -> actix_web::Resource {
+    let allow = if method == Method::GET { "GET" } else { "POST" };
+    web::resource(path).default_service(web::to(move |request: actix_web::HttpRequest| {
+        let error = ApiError::method_not_allowed(request.method().as_str(), request.path(), allow);
+        async move { Err::<HttpResponse, ApiError>(error) }
+    }))
 }
 
 /// 200 while the engine's thread is alive; 503 once it has died (a backend that panicked), so
@@ -95,17 +108,33 @@ async fn health(state: web::Data<ApiState>) -> HttpResponse {
 }
 
 async fn models(state: web::Data<ApiState>) -> HttpResponse {
-    let model = &state.model;
     HttpResponse::Ok().json(json!({
         "object": "list",
-        "data": [{
-            "id": model.id,
-            "object": "model",
-            "created": model.created,
-            "owned_by": "snapserve",
-            "max_model_len": model.limit.tokens,
-        }],
+        "data": [model_object(&state.model)],
     }))
+}
+
+/// `GET /v1/models/{id}`: the served model, or a 404 naming it.
+async fn model(
+    state: web::Data<ApiState>,
+    id: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let model = &state.model;
+    if *id != model.id {
+        return Err(ApiError::model_not_found(&id, &model.id));
+    }
+    Ok(HttpResponse::Ok().json(model_object(model)))
+}
+
+/// The model as OpenAI's API describes one.
+fn model_object(model: &Model) -> serde_json::Value {
+    json!({
+        "id": model.id,
+        "object": "model",
+        "created": model.created,
+        "owned_by": "snapserve",
+        "max_model_len": model.limit.tokens,
+    })
 }
 
 async fn prometheus_metrics(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
@@ -128,7 +157,8 @@ async fn not_found(request: actix_web::HttpRequest) -> Result<HttpResponse, ApiE
         code: "not_found",
         ..ApiError::invalid(format!(
             "no route for {} {}; this server has GET /health, GET /v1/models, \
-             GET /metrics, POST /v1/completions and POST /v1/chat/completions",
+             GET /v1/models/{{id}}, GET /metrics, POST /v1/completions and \
+             POST /v1/chat/completions",
             request.method(),
             request.path()
         ))
