@@ -640,3 +640,87 @@ fn models_by_id_wrong_methods_and_described_metrics() {
         );
     }
 }
+
+/// `logit_bias` steers greedy decoding (100 forces a token, -100 bans the one greedy picks), and
+/// a bad field is a 400 whose `param` names it, messages included.
+#[test]
+fn logit_bias_steers_sampling_and_errors_name_their_field() {
+    let server = Server::start(&smollm2(), CONFIG);
+    let files = ModelFiles::open(&smollm2()).unwrap();
+    let forced = 504u32;
+    let request = json!({
+        "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
+        "logit_bias": {forced.to_string(): 100},
+    });
+    let (status, _, body) = server.post("/v1/completions", &request);
+    assert_eq!(status, 200, "{body}");
+    let want = files.tokenizer.decode(&[forced; 3], true).unwrap();
+    assert_eq!(body["choices"][0]["text"], want.as_str());
+
+    let plain = json!({"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0});
+    let (_, _, first) = server.post("/v1/completions", &plain);
+    let greedy = first["choices"][0]["text"].as_str().unwrap().to_string();
+    let ids = files.tokenizer.encode_prompt(&greedy).unwrap();
+    let mut banned = plain.clone();
+    banned["logit_bias"] = json!({ids[0].to_string(): -100});
+    let (status, _, other) = server.post("/v1/completions", &banned);
+    assert_eq!(status, 200, "{other}");
+    assert_ne!(other["choices"][0]["text"], greedy.as_str(), "{other}");
+
+    let completions = [
+        (json!({"prompt": "hi", "temperature": -1}), "temperature"),
+        (
+            json!({"prompt": "hi", "logit_bias": {"abc": 1}}),
+            "logit_bias",
+        ),
+        (
+            json!({"prompt": "hi", "logit_bias": {"999999": 1}}),
+            "logit_bias",
+        ),
+        (
+            json!({"prompt": "hi", "logit_bias": {"50": 101}}),
+            "logit_bias",
+        ),
+        (
+            json!({"prompt": "hi", "stream_options": {"include_usage": true}}),
+            "stream_options",
+        ),
+    ];
+    for (body, param) in completions {
+        let (status, _, answer) = server.post("/v1/completions", &body);
+        assert_eq!(status, 400, "{body} → {answer}");
+        assert_eq!(answer["error"]["param"], param, "{body} → {answer}");
+    }
+    let chats = [
+        (
+            json!([{"role": "wizard", "content": "hi"}]),
+            "messages[0].role",
+        ),
+        (
+            json!([{"role": "user", "content": null}]),
+            "messages[0].content",
+        ),
+        (
+            json!([{"role": "system", "content": "x"}, {"role": "user", "content": [{"type": "text"}]}]),
+            "messages[1].content[0].text",
+        ),
+        (
+            json!([{"role": "user", "content": [{"type": "image_url"}]}]),
+            "messages[0].content[0].type",
+        ),
+    ];
+    for (messages, param) in chats {
+        let body = json!({"messages": messages, "max_tokens": 2});
+        let (status, _, answer) = server.post("/v1/chat/completions", &body);
+        assert_eq!(status, 400, "{body} → {answer}");
+        assert_eq!(answer["error"]["param"], param, "{body} → {answer}");
+    }
+    // An assistant's turn may be empty, as after a tool call.
+    let messages = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": null},
+                          {"role": "user", "content": "again"}]);
+    let (status, _, answer) = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 2}),
+    );
+    assert_eq!(status, 200, "{answer}");
+}

@@ -31,6 +31,9 @@ pub const MAX_TEMPERATURE: f32 = 100.0;
 /// Most stop strings one request may carry (OpenAI allows 4).
 pub const MAX_STOP_STRINGS: usize = 16;
 
+/// The largest bias `logit_bias` may add or take away (OpenAI's range).
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
+
 /// Top-p's first guess at the nucleus size, and the size below which it sorts instead of
 /// partitioning further.
 const NUCLEUS_SORT_LEN: usize = 64;
@@ -66,6 +69,9 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// Keep generating past end-of-sequence tokens (benchmarks).
     pub ignore_eos: bool,
+    /// Added to these tokens' logits before anything else looks at them (OpenAI's
+    /// `logit_bias`: -100 bans a token, 100 all but forces it), by token id, ascending.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -83,6 +89,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             stop: Vec::new(),
             ignore_eos: false,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -102,6 +109,16 @@ impl SamplingParams {
         if self.max_tokens == 0 {
             let reason = "must be at least 1, got 0".to_owned();
             return Err(invalid("max_tokens", reason));
+        }
+        if let Some((token, bias)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, bias)| !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(bias))
+        {
+            let reason = format!(
+                "biases must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], token {token} has {bias}"
+            );
+            return Err(invalid("logit_bias", reason));
         }
         self.validate_stop()
     }
@@ -207,7 +224,8 @@ impl Sampler {
         &self.params
     }
 
-    /// Picks the next token from one step's logits, which it overwrites (penalties applied).
+    /// Picks the next token from one step's logits, which it overwrites (biases and penalties
+    /// applied).
     ///
     /// Panics on an empty row: the backend always returns one logit per vocabulary entry.
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
@@ -247,6 +265,11 @@ impl Sampler {
 
     fn apply_penalties(&self, logits: &mut [f32]) {
         let params = &self.params;
+        for &(token, bias) in &params.logit_bias {
+            if let Some(logit) = logits.get_mut(token as usize) {
+                *logit += bias;
+            }
+        }
         // Ids past the end of the row (tokens a tokenizer added beyond the model's vocabulary)
         // have no logit to penalise.
         if params.repetition_penalty != 1.0 {
@@ -527,6 +550,46 @@ mod tests {
         let mut sampler = Sampler::new(&params(0.0), &[]);
         assert_eq!(sampler.sample(&mut [0.5, 3.0, 2.9, -1.0]), 1);
         assert_eq!(sampler.sample(&mut [7.0, 3.0, 7.0, -1.0]), 0);
+    }
+
+    #[test]
+    fn logit_bias_shifts_logits_before_anything_else() {
+        let biased = SamplingParams {
+            logit_bias: vec![(2, 1.0), (3, -100.0), (9, 50.0)],
+            ..params(0.0)
+        };
+        let mut sampler = Sampler::new(&biased, &[]);
+        let mut logits = [0.5, 3.0, 2.9, 40.0];
+        // Token 3 leads until banned; 2 overtakes 1 by its bias; 9 has no logit to shift.
+        assert_eq!(sampler.sample(&mut logits), 2);
+        assert_eq!(logits, [0.5, 3.0, 3.9, -60.0]);
+        let tokens = tokens_drawn(
+            &SamplingParams {
+                temperature: 1.0,
+                ..biased
+            },
+            &[0.0; 4],
+            200,
+        );
+        assert!(!tokens.contains(&3), "{tokens:?}");
+    }
+
+    #[test]
+    fn logit_bias_is_checked_against_its_range() {
+        let out_of_range = SamplingParams {
+            logit_bias: vec![(1, 100.0), (2, -100.5)],
+            ..params(0.0)
+        };
+        let error = out_of_range.validate().unwrap_err().to_string();
+        assert!(
+            error.contains("logit_bias") && error.contains("token 2"),
+            "{error}"
+        );
+        let edges = SamplingParams {
+            logit_bias: vec![(1, 100.0), (2, -100.0)],
+            ..params(0.0)
+        };
+        edges.validate().unwrap();
     }
 
     #[test]

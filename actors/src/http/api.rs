@@ -5,6 +5,7 @@
 //! fields snapserve cannot honour (`n` above 1, `logprobs`, `echo`, `best_of`, `suffix`, image
 //! parts) are refused with a 400 that names them, never silently dropped.
 
+use engine::EngineError;
 use engine::chat::ChatMessage;
 use engine::sampling::SamplingParams;
 use serde::Deserialize;
@@ -53,6 +54,8 @@ pub struct Sampling {
     pub n: Option<usize>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// Token id (as a string, JSON's object keys) to the bias added to its logit.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -122,8 +125,33 @@ impl Sampling {
         Ok(())
     }
 
+    /// `logit_bias` by token id, each key a token of the vocabulary.
+    fn logit_bias(&self, vocab_size: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+        let Some(map) = &self.logit_bias else {
+            return Ok(Vec::new());
+        };
+        let mut biases = Vec::with_capacity(map.len());
+        for (key, &bias) in map {
+            let token = key
+                .parse::<u32>()
+                .ok()
+                .filter(|&t| (t as usize) < vocab_size)
+                .ok_or_else(|| {
+                    ApiError::invalid_param(
+                        "logit_bias",
+                        format!(
+                            "keys must be token ids below the vocabulary size {vocab_size}, got `{key}`"
+                        ),
+                    )
+                })?;
+            biases.push((token, bias));
+        }
+        biases.sort_unstable_by_key(|&(token, _)| token);
+        Ok(biases)
+    }
+
     /// Sampling parameters with OpenAI's defaults (temperature 1, top_p 1).
-    fn params(&self, max_tokens: usize) -> SamplingParams {
+    fn params(&self, max_tokens: usize, logit_bias: Vec<(u32, f32)>) -> SamplingParams {
         let stop = match &self.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s.clone()],
@@ -145,6 +173,7 @@ impl Sampling {
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             stop,
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            logit_bias,
         }
     }
 
@@ -182,14 +211,24 @@ impl Sampling {
             Some(asked) => asked,
             None => default_max.min(room),
         };
-        let params = self.params(max_tokens);
-        params
-            .validate()
-            .map_err(|e| ApiError::invalid(e.to_string()))?;
+        let stream = self.stream.unwrap_or(false);
+        if self.stream_options.is_some() && !stream {
+            return Err(ApiError::invalid_param(
+                "stream_options",
+                "stream_options is only allowed when stream is true",
+            ));
+        }
+        let params = self.params(max_tokens, self.logit_bias(model.vocab_size)?);
+        params.validate().map_err(|e| match &e {
+            EngineError::InvalidSampling { name, .. } => {
+                ApiError::invalid_param(name, e.to_string())
+            }
+            _ => ApiError::invalid(e.to_string()),
+        })?;
         Ok(Prepared {
             prompt,
             params,
-            stream: self.stream.unwrap_or(false),
+            stream,
             include_usage: self
                 .stream_options
                 .as_ref()
@@ -294,21 +333,44 @@ fn encode(model: &Model, text: &str) -> Result<Vec<u32>, ApiError> {
         .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))
 }
 
+/// The roles a message may have (OpenAI's, `developer` being its newer name for `system`).
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
 fn text_of(index: usize, message: &Message) -> Result<String, ApiError> {
+    if !ROLES.contains(&message.role.as_str()) {
+        return Err(ApiError::invalid_param(
+            &format!("messages[{index}].role"),
+            format!(
+                "`{}` is not a role; a message is one of {}",
+                message.role,
+                ROLES.join(", ")
+            ),
+        ));
+    }
     match &message.content {
-        None => Ok(String::new()),
+        // Only an assistant's message may come without content (OpenAI: when it called tools).
+        None if message.role == "assistant" => Ok(String::new()),
+        None => Err(ApiError::invalid_param(
+            &format!("messages[{index}].content"),
+            format!("a `{}` message needs content", message.role),
+        )),
         Some(Content::Text(text)) => Ok(text.clone()),
         Some(Content::Parts(parts)) => {
             let mut text = String::new();
-            for part in parts {
+            for (p, part) in parts.iter().enumerate() {
+                let param = format!("messages[{index}].content[{p}]");
                 match (part.kind.as_str(), &part.text) {
                     ("text", Some(t)) => text.push_str(t),
+                    ("text", None) => {
+                        return Err(ApiError::invalid_param(
+                            &format!("{param}.text"),
+                            "a text part needs its `text`",
+                        ));
+                    }
                     (kind, _) => {
                         return Err(ApiError::invalid_param(
-                            "messages",
-                            format!(
-                                "message {index} has a `{kind}` part; only text parts are supported"
-                            ),
+                            &format!("{param}.type"),
+                            format!("`{kind}` parts are not supported; only text parts are"),
                         ));
                     }
                 }

@@ -46,6 +46,8 @@ pub struct Model {
     pub chat_template: Option<ChatTemplate>,
     /// Positions a sequence may reach, prompt plus generated tokens, and what sets that.
     pub limit: SequenceLimit,
+    /// Token ids below this have logits (`logit_bias` may name no other).
+    pub vocab_size: usize,
     /// When the server started, in seconds since the epoch (`created` in `/v1/models`).
     pub created: u64,
 }
@@ -55,6 +57,7 @@ impl Model {
     pub fn new(files: ModelFiles, id: String, limit: SequenceLimit) -> Self {
         Model {
             id,
+            vocab_size: files.config.vocab_size,
             tokenizer: files.tokenizer,
             chat_template: files.chat_template,
             limit,
