@@ -182,7 +182,7 @@ fn bad_requests_get_clear_errors_and_a_full_queue_gets_429() {
         (json!({"prompt": ""}), 400, "empty"),
         (json!({"prompt": [1, 2, 999999]}), 400, "vocabulary"),
         (json!({"prompt": "hi", "logprobs": 2}), 400, "logprobs"),
-        (json!({"prompt": 5}), 400, "request body"),
+        (json!({"prompt": 5}), 400, "list of token ids"),
     ];
     for (body, status, needle) in cases {
         let (got, _, answer) = server.post("/v1/completions", &body);
@@ -714,6 +714,55 @@ fn logit_bias_steers_sampling_and_errors_name_their_field() {
         let (status, _, answer) = server.post("/v1/chat/completions", &body);
         assert_eq!(status, 400, "{body} → {answer}");
         assert_eq!(answer["error"]["param"], param, "{body} → {answer}");
+    }
+    // Fields of the wrong type: the field, and what it takes, in the API's words.
+    let typed = [
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": "x"}),
+            "max_tokens",
+            "a non-negative integer",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "temperature": "hot"}),
+            "temperature",
+            "a number",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": 5}),
+            "prompt",
+            "a list of token ids",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "stop": 7}),
+            "stop",
+            "a list of strings",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": 5}]}),
+            "messages[0].content",
+            "a list of content parts",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": "hi"}),
+            "messages",
+            "a sequence",
+        ),
+    ];
+    for (path, body, param, words) in typed {
+        let (status, _, answer) = server.post(path, &body);
+        assert_eq!(status, 400, "{body} → {answer}");
+        assert_eq!(answer["error"]["param"], param, "{body} → {answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(words), "{body} → {message}");
+        for rust in ["usize", "f32", "untagged", "line 1"] {
+            assert!(!message.contains(rust), "{body} → {message}");
+        }
     }
     // An assistant's turn may be empty, as after a tool call.
     let messages = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": null},

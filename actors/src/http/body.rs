@@ -13,6 +13,7 @@ use actix_web::{HttpRequest, web};
 use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 
+use super::api::Sampling;
 use super::error::ApiError;
 
 /// Request bodies up to this size are read; prompts of a long context fit well within it.
@@ -46,11 +47,81 @@ pub async fn read_json<T: DeserializeOwned>(
                 limits.timeout.as_secs_f64()
             ))
         })??;
-    serde_json::from_slice(&body).map_err(|e| {
-        ApiError::invalid(format!(
-            "the request body is not what this endpoint takes: {e}"
-        ))
-    })
+    parse(&body)
+}
+
+/// Parses a body, an error naming the field at fault (`param`) in the API's words.
+fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    let error = match serde_path_to_error::deserialize(&mut deserializer) {
+        Ok(value) => return deserializer.end().map(|()| value).map_err(not_json),
+        Err(error) => error,
+    };
+    let mut field = error.path().to_string();
+    let mut inner = error.into_inner();
+    if inner.is_syntax() || inner.is_eof() {
+        return Err(not_json(inner));
+    }
+    if field == "." {
+        // A flattened part loses its path; the sampling fields are the one such part, and the
+        // whole body parsed as them alone finds the field (other fields are ignored there).
+        let located = serde_json::from_slice::<serde_json::Value>(body)
+            .ok()
+            .and_then(|value| serde_path_to_error::deserialize::<_, Sampling>(value).err());
+        match located {
+            Some(located) => {
+                field = located.path().to_string();
+                inner = located.into_inner();
+            }
+            None => return Err(not_json(inner)),
+        }
+    }
+    Err(ApiError::invalid_param(
+        &field,
+        format!("`{field}`: {}", in_api_words(&inner)),
+    ))
+}
+
+fn not_json(error: serde_json::Error) -> ApiError {
+    ApiError::invalid(format!(
+        "the request body is not what this endpoint takes: {error}"
+    ))
+}
+
+/// serde's message without its Rust types and position: `expected usize` says "a non-negative
+/// integer", an untagged enum's failure the shapes it takes.
+fn in_api_words(error: &serde_json::Error) -> String {
+    let message = error.to_string();
+    let message = message
+        .split(" at line ")
+        .next()
+        .unwrap_or(&message)
+        .to_string();
+    let shapes = [
+        (
+            "untagged enum Prompt",
+            "a string, a list of token ids, or a list of one string",
+        ),
+        ("untagged enum Stop", "a string or a list of strings"),
+        (
+            "untagged enum Content",
+            "a string or a list of content parts",
+        ),
+    ];
+    if let Some((_, shape)) = shapes.iter().find(|(name, _)| message.contains(name)) {
+        return format!("must be {shape}");
+    }
+    [
+        ("usize", "a non-negative integer"),
+        ("u64", "a non-negative integer"),
+        ("u32", "a non-negative integer"),
+        ("f32", "a number"),
+        ("f64", "a number"),
+        ("a boolean", "true or false"),
+        ("struct ", "an object "),
+    ]
+    .iter()
+    .fold(message, |m, (rust, api)| m.replace(rust, api))
 }
 
 async fn read_all(mut payload: web::Payload, max_bytes: usize) -> Result<Vec<u8>, ApiError> {
