@@ -190,6 +190,11 @@ struct ServeArgs {
     /// Seed of --random-weights.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+
+    /// A key clients must send as `Authorization: Bearer KEY` (added to `[server] api_keys`;
+    /// with any key set, every route but /health and /metrics needs one).
+    #[arg(long, env = "SNAPSERVE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
 }
 
 #[derive(Args)]
@@ -361,7 +366,7 @@ fn model_dir(cache_dir: &Path, given: Option<PathBuf>, dtype: DType) -> Result<P
     Ok(fetch::fetch(&fetch::SMOLLM2, &options)?)
 }
 
-fn serve(cache_dir: &Path, args: ServeArgs) -> Result<()> {
+fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -370,7 +375,7 @@ fn serve(cache_dir: &Path, args: ServeArgs) -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let policies = match &args.config {
+    let mut policies = match &args.config {
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
@@ -378,6 +383,9 @@ fn serve(cache_dir: &Path, args: ServeArgs) -> Result<()> {
         }
         None => Policies::from_toml("")?,
     };
+    if let Some(key) = args.api_key.take() {
+        policies.server.add_api_key(key)?;
+    }
     let kind = args
         .backend
         .map_or(policies.engine.backend, BackendKind::from);
@@ -410,6 +418,7 @@ fn serve(cache_dir: &Path, args: ServeArgs) -> Result<()> {
         info.name, info.num_pages, info.geometry.page_tokens, info.max_positions
     );
     let server = &policies.server;
+    let keys = http::ApiKeys::new(server.api_keys(), server.keys_guard_health_and_metrics());
     // Without a measured step (a pool too small to warm up in), a slow CPU's speed.
     let decode_step = warm.decode_step.unwrap_or(Duration::from_millis(50));
     let options = http::ServeOptions {
@@ -456,6 +465,7 @@ fn serve(cache_dir: &Path, args: ServeArgs) -> Result<()> {
             model: Arc::new(model),
             prometheus,
             body,
+            keys,
         };
         eprintln!(
             "serving {name} on http://{} (shutdown grace {} s)",

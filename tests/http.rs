@@ -773,3 +773,46 @@ fn logit_bias_steers_sampling_and_errors_name_their_field() {
     );
     assert_eq!(status, 200, "{answer}");
 }
+
+/// With API keys set, a request without an accepted `Authorization: Bearer` key is a 401 in
+/// OpenAI's shape; `/health` and `/metrics` stay open.
+#[test]
+fn api_keys_guard_the_api_but_not_health_and_metrics() {
+    let config = "[cache]\npool_tokens = 16384\n[server]\napi_keys = [\"sk-snapserve-test\"]\n";
+    let server = Server::start(&smollm2(), config);
+    let body = br#"{"prompt": "Hello", "max_tokens": 2}"#;
+    let request = |authorization: &str| {
+        let mut raw = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             {authorization}Content-Length: {}\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        raw.extend_from_slice(body);
+        server.raw_exchange(&raw).unwrap()
+    };
+    for authorization in [
+        "",
+        "Authorization: Bearer sk-snapserve-tes\r\n",
+        "Authorization: sk-snapserve-test\r\n",
+        "Authorization: Bearer sk-snapserve-test2\r\n",
+    ] {
+        let answer = request(authorization);
+        assert_openai_error(authorization, &answer);
+        assert_eq!(answer.status, 401, "{authorization}");
+        assert_eq!(answer.json()["error"]["code"], "invalid_api_key");
+    }
+    let answer = request("Authorization: Bearer sk-snapserve-test\r\n");
+    assert_eq!(
+        answer.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    let models = server
+        .raw_exchange(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    assert_eq!(models.status, 401);
+    assert_eq!(server.get_text("/health").0, 200);
+    assert_eq!(server.get_text("/metrics").0, 200);
+}

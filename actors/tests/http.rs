@@ -87,6 +87,7 @@ async fn when_the_engine_dies_requests_fail_clearly_and_health_says_so() {
             timeout: std::time::Duration::from_secs(30),
             max_bytes: actors::http::MAX_BODY_BYTES,
         },
+        keys: actors::http::ApiKeys::open(),
     };
     let app = test::init_service(
         App::new()

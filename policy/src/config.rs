@@ -172,6 +172,12 @@ pub struct ServerConfig {
     pub keep_alive_s: u64,
     /// Connections each HTTP worker holds at once; more wait in the kernel's backlog.
     pub max_connections: usize,
+    /// Keys a client must present as `Authorization: Bearer KEY`; empty: the API is open.
+    /// `snapserve serve --api-key` (or `SNAPSERVE_API_KEY`) adds one.
+    pub api_keys: Vec<String>,
+    /// Whether `/health` and `/metrics` need a key too (they stay open by default, for load
+    /// balancers and Prometheus).
+    pub keys_guard_health_and_metrics: bool,
 }
 
 /// The shortest default shutdown grace, in seconds.
@@ -240,6 +246,8 @@ impl Default for ServerConfig {
             header_timeout_s: 5,
             keep_alive_s: 5,
             max_connections: 4_096,
+            api_keys: Vec::new(),
+            keys_guard_health_and_metrics: false,
         }
     }
 }
@@ -349,6 +357,8 @@ impl AdmissionPolicy {
 /// Validated `[server]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServerPolicy {
+    api_keys: Vec<String>,
+    keys_guard_health_and_metrics: bool,
     shutdown_grace: Option<Duration>,
     body_timeout: Duration,
     header_timeout: Duration,
@@ -356,7 +366,29 @@ pub struct ServerPolicy {
     max_connections: usize,
 }
 
+/// The shortest API key accepted: a guessable key is no key.
+pub const MIN_API_KEY_LEN: usize = 8;
+
 impl ServerPolicy {
+    /// The keys a request must present one of; empty when the API is open.
+    pub fn api_keys(&self) -> &[String] {
+        &self.api_keys
+    }
+
+    pub fn keys_guard_health_and_metrics(&self) -> bool {
+        self.keys_guard_health_and_metrics
+    }
+
+    /// Adds a key given outside the configuration file (the command line), under the same
+    /// rule as the file's.
+    pub fn add_api_key(&mut self, key: String) -> Result<(), PolicyError> {
+        require(key.len() >= MIN_API_KEY_LEN, "--api-key", || {
+            format!("must be at least {MIN_API_KEY_LEN} characters")
+        })?;
+        self.api_keys.push(key);
+        Ok(())
+    }
+
     /// The configured grace, or the default for a server whose longest request generates
     /// `max_tokens` tokens at `decode_step` each: that time with half again for a busy batch,
     /// and never under [`MIN_SHUTDOWN_GRACE_S`].
@@ -584,7 +616,14 @@ impl ServerConfig {
         require(self.max_connections >= 1, "server.max_connections", || {
             "must be at least 1".to_string()
         })?;
+        require(
+            self.api_keys.iter().all(|k| k.len() >= MIN_API_KEY_LEN),
+            "server.api_keys",
+            || format!("each key must be at least {MIN_API_KEY_LEN} characters"),
+        )?;
         Ok(ServerPolicy {
+            api_keys: self.api_keys.clone(),
+            keys_guard_health_and_metrics: self.keys_guard_health_and_metrics,
             shutdown_grace: self.shutdown_grace_s.map(Duration::from_secs),
             body_timeout: Duration::from_secs(self.body_timeout_s),
             header_timeout: Duration::from_secs(self.header_timeout_s),
@@ -779,6 +818,34 @@ mod tests {
         assert_eq!(
             invalid_key("[server]\nshutdown_grace_s = 0"),
             "server.shutdown_grace_s"
+        );
+        assert_eq!(
+            invalid_key("[server]\napi_keys = [\"sk-long-enough\", \"short\"]"),
+            "server.api_keys"
+        );
+    }
+
+    #[test]
+    fn api_keys_come_from_the_file_and_the_command_line() {
+        let mut policies =
+            Policies::from_toml("[server]\napi_keys = [\"sk-from-the-file\"]\n").unwrap();
+        assert!(!policies.server.keys_guard_health_and_metrics());
+        policies
+            .server
+            .add_api_key("sk-from-the-flag".into())
+            .unwrap();
+        assert_eq!(
+            policies.server.api_keys(),
+            ["sk-from-the-file", "sk-from-the-flag"]
+        );
+        let error = policies.server.add_api_key("short".into()).unwrap_err();
+        assert!(error.to_string().contains("--api-key"), "{error}");
+        assert!(
+            Policies::from_toml("")
+                .unwrap()
+                .server
+                .api_keys()
+                .is_empty()
         );
     }
 

@@ -12,6 +12,7 @@
 //! and its shutdown.
 
 mod api;
+mod auth;
 mod body;
 mod error;
 mod output;
@@ -28,6 +29,7 @@ use engine::tokenizer::Tokenizer;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 
+pub use auth::ApiKeys;
 pub use body::{BodyLimits, MAX_BODY_BYTES};
 pub use error::ApiError;
 pub use serve::{ServeOptions, Served, serve};
@@ -75,6 +77,8 @@ pub struct ApiState {
     pub prometheus: Option<PrometheusHandle>,
     /// How large a request body may be and how long it may take to arrive.
     pub body: BodyLimits,
+    /// The API keys requests must carry, if any.
+    pub keys: ApiKeys,
 }
 
 /// Adds the API's routes to an actix-web app. A known path asked with another method is a 405

@@ -15,6 +15,7 @@
 use std::time::Duration;
 
 use actix_web::http::KeepAlive;
+use actix_web::middleware::from_fn;
 use actix_web::{App, HttpServer, web};
 
 use super::ApiState;
@@ -68,6 +69,7 @@ pub async fn serve(state: ApiState, options: &ServeOptions) -> std::io::Result<S
     let server = HttpServer::new(move || {
         App::new()
             .app_data(web::Data::new(state.clone()))
+            .wrap(from_fn(super::auth::require_key))
             .configure(super::routes)
     })
     .workers(options.workers.max(1))
