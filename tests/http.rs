@@ -715,6 +715,26 @@ fn logit_bias_steers_sampling_and_errors_name_their_field() {
         assert_eq!(status, 400, "{body} → {answer}");
         assert_eq!(answer["error"]["param"], param, "{body} → {answer}");
     }
+    // echo: the prompt's text first, then the completion; streamed, as the first chunk.
+    let prompt = "The capital of France is";
+    let echoed = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": true});
+    let (status, _, body) = server.post("/v1/completions", &echoed);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["text"], format!("{prompt}{greedy}"));
+    let mut streamed = echoed.clone();
+    streamed["stream"] = json!(true);
+    let events = server.post_stream("/v1/completions", &streamed);
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(first["choices"][0]["text"], prompt);
+    let ids = files.tokenizer.encode_prompt(prompt).unwrap();
+    let by_ids = json!({"prompt": ids, "max_tokens": 1, "temperature": 0, "echo": true});
+    let (_, _, body) = server.post("/v1/completions", &by_ids);
+    let text = body["choices"][0]["text"].as_str().unwrap();
+    assert!(
+        text.starts_with(prompt) && text.ends_with(&greedy),
+        "{body}"
+    );
+
     // Fields of the wrong type: the field, and what it takes, in the API's words.
     let typed = [
         (

@@ -2,8 +2,8 @@
 //! tokenized request.
 //!
 //! Unknown fields are ignored, as OpenAI's own clients send fields a server may not know. Known
-//! fields snapserve cannot honour (`n` above 1, `logprobs`, `echo`, `best_of`, `suffix`, image
-//! parts) are refused with a 400 that names them, never silently dropped.
+//! fields snapserve cannot honour (`n` above 1, `logprobs`, `best_of`, `suffix`, image parts)
+//! are refused with a 400 that names them, never silently dropped.
 
 use engine::EngineError;
 use engine::chat::ChatMessage;
@@ -112,6 +112,8 @@ pub struct Prepared {
     pub params: SamplingParams,
     pub stream: bool,
     pub include_usage: bool,
+    /// The prompt's text, answered before the completion (`echo`).
+    pub echo: Option<String>,
 }
 
 impl Sampling {
@@ -233,6 +235,7 @@ impl Sampling {
                 .stream_options
                 .as_ref()
                 .is_some_and(|o| o.include_usage),
+            echo: None,
         })
     }
 }
@@ -258,9 +261,6 @@ impl CompletionRequest {
         if self.logprobs.as_ref().is_some_and(|v| !v.is_null()) {
             return refuse("logprobs", "logprobs");
         }
-        if self.echo == Some(true) {
-            return refuse("echo", "echo");
-        }
         if self.best_of.is_some_and(|b| b != 1) {
             return refuse("best_of", "best_of above 1");
         }
@@ -284,8 +284,20 @@ impl CompletionRequest {
         if prompt.is_empty() {
             return Err(ApiError::invalid_param("prompt", "the prompt is empty"));
         }
+        let echo = match (self.echo, &self.prompt) {
+            (Some(true), Prompt::Text(text)) => Some(text.clone()),
+            (Some(true), Prompt::Texts(texts)) => Some(texts[0].clone()),
+            (Some(true), Prompt::Tokens(ids)) => Some(
+                model
+                    .tokenizer
+                    .decode(ids, false)
+                    .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?,
+            ),
+            _ => None,
+        };
         // OpenAI's default for completions.
-        self.sampling.prepare(model, prompt, self.max_tokens, 16)
+        let prepared = self.sampling.prepare(model, prompt, self.max_tokens, 16)?;
+        Ok(Prepared { echo, ..prepared })
     }
 }
 

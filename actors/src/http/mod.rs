@@ -203,6 +203,7 @@ async fn respond(
         params,
         stream,
         include_usage,
+        echo,
     } = prepared;
     let prompt_tokens = prompt.len();
     let stops = params.stop.clone();
@@ -211,7 +212,8 @@ async fn respond(
         .submit(GenerateRequest { prompt, params })
         .await?;
     crate::metrics::prompt_accepted(prompt_tokens);
-    let output = Output::new(state.model.clone(), events, &stops, prompt_tokens, kind);
+    let output =
+        Output::new(state.model.clone(), events, &stops, prompt_tokens, kind).echoing(echo);
     if stream {
         Ok(HttpResponse::Ok()
             .content_type("text/event-stream")

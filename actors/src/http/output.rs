@@ -51,6 +51,8 @@ pub struct Output {
     created: u64,
     submitted: Instant,
     last_token: Option<Instant>,
+    /// Text answered before the completion's own (`echo`): the first piece.
+    echo: Option<String>,
 }
 
 impl Output {
@@ -77,11 +79,20 @@ impl Output {
             created: super::unix_now(),
             submitted: Instant::now(),
             last_token: None,
+            echo: None,
         }
+    }
+
+    /// Answers `echo` (the prompt's text) before the completion, as its first piece.
+    pub fn echoing(self, echo: Option<String>) -> Self {
+        Output { echo, ..self }
     }
 
     /// Reads events until some text is final or the request ends.
     async fn next(&mut self) -> Piece {
+        if let Some(text) = self.echo.take().filter(|t| !t.is_empty()) {
+            return Piece { text, end: None };
+        }
         loop {
             let Some(events) = self.events.as_mut() else {
                 unreachable!("nothing is read after the end");
