@@ -639,6 +639,36 @@ fn models_by_id_wrong_methods_and_described_metrics() {
             "{family} has no # HELP line:\n{metrics}"
         );
     }
+    promtool_checks(&metrics);
+}
+
+/// `promtool check metrics` over a scrape: no lint findings. Skipped, saying so, where promtool
+/// is not on PATH (Debian: the `prometheus` package).
+fn promtool_checks(metrics: &str) {
+    let child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn();
+    let Ok(mut child) = child else {
+        eprintln!("skipped: promtool is not on PATH, so `promtool check metrics` did not run");
+        return;
+    };
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(metrics.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let findings =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "promtool check metrics:\n{findings}");
+    assert!(
+        findings.trim().is_empty(),
+        "promtool check metrics:\n{findings}"
+    );
 }
 
 /// `logit_bias` steers greedy decoding (100 forces a token, -100 bans the one greedy picks), and
