@@ -293,14 +293,18 @@ fn progress_bar(spec: &LoadSpec) -> indicatif::ProgressBar {
 /// Sends request `index` and reads its answer as its plan says.
 fn one(agent: &ureq::Agent, spec: &LoadSpec, index: usize) -> Sample {
     let plan = spec.plan(index);
-    let body = json!({
+    let stream = !matches!(plan, Plan::HangUpAfter(_));
+    let mut body = json!({
         "prompt": spec.prompt(index),
         "max_tokens": spec.max_tokens,
         "temperature": 0,
         "ignore_eos": true,
-        "stream": !matches!(plan, Plan::HangUpAfter(_)),
-        "stream_options": {"include_usage": true},
+        "stream": stream,
     });
+    // The API refuses stream_options on an answer that is not streamed, as OpenAI's does.
+    if stream {
+        body["stream_options"] = json!({"include_usage": true});
+    }
     send(agent, &spec.url, &body, plan)
 }
 
