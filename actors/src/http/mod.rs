@@ -21,7 +21,7 @@ mod serve;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use actix_web::http::{Method, StatusCode};
+use actix_web::http::StatusCode;
 use actix_web::{HttpRequest, HttpResponse, web};
 use engine::chat::ChatTemplate;
 use engine::model::ModelFiles;
@@ -85,19 +85,19 @@ pub struct ApiState {
 /// naming the one it answers (`Allow`); an unknown path a 404 listing the routes.
 pub fn routes(config: &mut web::ServiceConfig) {
     config
-        .service(only("/health", Method::GET).route(web::get().to(health)))
-        .service(only("/v1/models", Method::GET).route(web::get().to(models)))
+        .service(only("/health", "GET").route(web::get().to(health)))
+        .service(only("/v1/models", "GET").route(web::get().to(models)))
         // Ids may hold slashes (`org/name`), which the SDKs send as they are.
-        .service(only("/v1/models/{id:.+}", Method::GET).route(web::get().to(model)))
-        .service(only("/metrics", Method::GET).route(web::get().to(prometheus_metrics)))
-        .service(only("/v1/completions", Method::POST).route(web::post().to(completions)))
-        .service(only("/v1/chat/completions", Method::POST).route(web::post().to(chat_completions)))
+        .service(only("/v1/models/{id:.+}", "GET").route(web::get().to(model)))
+        .service(only("/metrics", "GET").route(web::get().to(prometheus_metrics)))
+        .service(only("/v1/completions", "POST").route(web::post().to(completions)))
+        .service(only("/v1/chat/completions", "POST").route(web::post().to(chat_completions)))
         .default_service(web::to(not_found));
 }
 
-/// A resource at `path` whose other methods are answered with a 405 allowing `method`.
-fn only(path: &str, method: Method) -> actix_web::Resource {
-    let allow = if method == Method::GET { "GET" } else { "POST" };
+/// A resource at `path` whose methods other than `allow` (the one its route takes) are
+/// answered with a 405 naming it.
+fn only(path: &str, allow: &'static str) -> actix_web::Resource {
     web::resource(path).default_service(web::to(move |request: actix_web::HttpRequest| {
         let error = ApiError::method_not_allowed(request.method().as_str(), request.path(), allow);
         async move { Err::<HttpResponse, ApiError>(error) }
