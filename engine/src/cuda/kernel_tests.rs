@@ -353,12 +353,9 @@ fn gemv_matches_reference_for_few_tokens() {
                 shape,
             )
             .unwrap();
-        let want: Vec<f32> = (0..tokens * outf)
-            .map(|i| {
-                let (t, o) = (i / outf, i % outf);
-                let dot = (0..inf).map(|k| x[t * inf + k] as f64 * w[o * inf + k] as f64);
-                dot.sum::<f64>() as f32
-            })
+        let want: Vec<f32> = reference_product(&x, &w, tokens, inf, outf)
+            .into_iter()
+            .map(|v| v as f32)
             .collect();
         let got = g.download_bf16(y.ptr(), tokens * outf);
         assert_close(&format!("gemv {tokens}x{inf} by {outf}"), &got, &want, 4e-3);
