@@ -28,6 +28,11 @@ pub enum ServeError {
     #[error("the engine failed: {0}")]
     Engine(String),
 
+    /// The output could not follow the request's grammar (`response_format`, a forced tool
+    /// call): the grammar engine failed or allowed no token.
+    #[error("the output could not follow its grammar: {0}")]
+    Grammar(String),
+
     /// The pool had no room for the request's next tokens after every back-off attempt.
     #[error(
         "context full: needed {needed_pages} more pages, {free_pages} available, after {attempts} attempts"
@@ -48,6 +53,7 @@ impl ServeError {
             ServeError::ShuttingDown => "shutting_down",
             ServeError::Cancelled => "cancelled",
             ServeError::Engine(_) => "engine_error",
+            ServeError::Grammar(_) => "grammar_error",
             ServeError::ContextFull { .. } => "context_full",
         }
     }

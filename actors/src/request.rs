@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use engine::sampling::SamplingParams;
+use engine::sampling::{SamplingParams, TokenLogprobs};
 pub use engine::stop::FinishReason;
 use tokio::sync::mpsc;
 
@@ -59,6 +59,8 @@ impl Event {
 pub(crate) enum Delivery {
     Token(u32),
     Tokens(Vec<u32>),
+    /// Tokens with their log-probabilities (each entry names its token).
+    Scored(Vec<TokenLogprobs>),
     End(Event),
 }
 
@@ -85,6 +87,10 @@ pub struct RequestStream {
     stopped: StopFlag,
     /// Tokens of a batch not yet handed out.
     pending: std::vec::IntoIter<u32>,
+    /// The same for a batch that came with log-probabilities.
+    pending_scored: std::vec::IntoIter<TokenLogprobs>,
+    /// The log-probabilities of the token [`RequestStream::next`] returned last, if asked for.
+    scored: Option<TokenLogprobs>,
 }
 
 /// A whole request's output: its tokens and how it ended.
@@ -105,6 +111,8 @@ impl RequestStream {
             events,
             stopped,
             pending: Vec::new().into_iter(),
+            pending_scored: Vec::new().into_iter(),
+            scored: None,
         }
     }
 
@@ -117,8 +125,8 @@ impl RequestStream {
 
     /// The next event, or `None` once the terminal event has been read.
     pub async fn next(&mut self) -> Option<Event> {
-        if let Some(token) = self.pending.next() {
-            return Some(Event::Token(token));
+        if let Some(event) = self.next_pending() {
+            return Some(event);
         }
         let delivery = self.events.recv().await?;
         Some(self.unpack(delivery))
@@ -126,11 +134,27 @@ impl RequestStream {
 
     /// The next event if one is waiting, without waiting for one.
     pub fn try_next(&mut self) -> Option<Event> {
-        if let Some(token) = self.pending.next() {
-            return Some(Event::Token(token));
+        if let Some(event) = self.next_pending() {
+            return Some(event);
         }
         let delivery = self.events.try_recv().ok()?;
         Some(self.unpack(delivery))
+    }
+
+    /// The log-probabilities of the token the last [`RequestStream::next`] returned, when the
+    /// request asked for them.
+    pub fn logprobs(&self) -> Option<&TokenLogprobs> {
+        self.scored.as_ref()
+    }
+
+    fn next_pending(&mut self) -> Option<Event> {
+        if let Some(token) = self.pending.next() {
+            return Some(Event::Token(token));
+        }
+        let scored = self.pending_scored.next()?;
+        let token = scored.token;
+        self.scored = Some(scored);
+        Some(Event::Token(token))
     }
 
     fn unpack(&mut self, delivery: Delivery) -> Event {
@@ -139,6 +163,10 @@ impl RequestStream {
             Delivery::Tokens(tokens) => {
                 self.pending = tokens.into_iter();
                 Event::Token(self.pending.next().expect("a batch is never empty"))
+            }
+            Delivery::Scored(scored) => {
+                self.pending_scored = scored.into_iter();
+                self.next_pending().expect("a batch is never empty")
             }
             Delivery::End(event) => event,
         }

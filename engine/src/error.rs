@@ -110,6 +110,9 @@ pub enum EngineError {
     #[error("invalid sampling parameter `{name}`: {reason}")]
     InvalidSampling { name: &'static str, reason: String },
 
+    #[error("the output could not follow its grammar: {0}")]
+    Grammar(String),
+
     #[error("no usable CUDA device: {0}")]
     CudaUnavailable(String),
 

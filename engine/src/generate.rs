@@ -41,8 +41,22 @@ pub fn generate(
     prompt: &[u32],
     params: &SamplingParams,
     prefill_chunk: usize,
+    on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    let sampler = Sampler::new(params, prompt);
+    generate_with(backend, vocab, prompt, sampler, prefill_chunk, on_text)
+}
+
+/// [`generate`] with a sampler of the caller's (one held to a grammar, say).
+pub fn generate_with(
+    backend: &mut dyn Backend,
+    vocab: &Vocabulary,
+    prompt: &[u32],
+    mut sampler: Sampler,
+    prefill_chunk: usize,
     mut on_text: impl FnMut(&str),
 ) -> Result<Generation> {
+    let params = &sampler.params().clone();
     params.validate()?;
     if prompt.is_empty() {
         return Err(EngineError::EmptyPrompt);
@@ -61,7 +75,6 @@ pub fn generate(
     let pages: Vec<PageId> = (0..info.geometry.pages_for(prompt.len() + max_new) as u32)
         .map(PageId)
         .collect();
-    let mut sampler = Sampler::new(params, prompt);
     let mut stream = TextStream::new(true);
     let mut stops = StopMatcher::new(&params.stop);
     let mut run = |tokens: &[u32], start_pos: usize, logits: LogitsWanted| {
@@ -98,6 +111,9 @@ pub fn generate(
     let (mut tokens, mut text) = (Vec::new(), String::new());
     let finish_reason = loop {
         let token = sampler.sample(&mut logits);
+        if let Some(failure) = sampler.failure() {
+            return Err(EngineError::Grammar(failure.to_owned()));
+        }
         sampler.accept(token);
         tokens.push(token);
         let ended = finish_after(params, vocab.eos_token_ids, token, tokens.len(), max_new);

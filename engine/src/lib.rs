@@ -16,6 +16,7 @@ pub mod error;
 pub mod fetch;
 pub mod generate;
 pub mod gguf;
+pub mod grammar;
 pub mod model;
 pub mod sampling;
 pub mod select;

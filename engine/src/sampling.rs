@@ -34,6 +34,9 @@ pub const MAX_STOP_STRINGS: usize = 16;
 /// The largest bias `logit_bias` may add or take away (OpenAI's range).
 pub const MAX_LOGIT_BIAS: f32 = 100.0;
 
+/// Most alternatives `logprobs` may ask for per token (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
 /// Top-p's first guess at the nucleus size, and the size below which it sorts instead of
 /// partitioning further.
 const NUCLEUS_SORT_LEN: usize = 64;
@@ -72,6 +75,41 @@ pub struct SamplingParams {
     /// Added to these tokens' logits before anything else looks at them (OpenAI's
     /// `logit_bias`: -100 bans a token, 100 all but forces it), by token id, ascending.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Report each chosen token's log-probability and this many of the likeliest alternatives
+    /// (OpenAI's `logprobs`/`top_logprobs`); `None` reports nothing.
+    pub logprobs: Option<usize>,
+    /// The grammar the output follows (structured outputs), compiled when the request was
+    /// checked; each sampler starts its own copy.
+    #[serde(skip)]
+    pub constraint: Option<ConstraintSource>,
+}
+
+/// A compiled grammar from which each request's sampler starts a fresh [`TokenConstraint`].
+/// Equal only to itself (grammars are not compared).
+#[derive(Clone)]
+pub struct ConstraintSource(std::sync::Arc<dyn Fn() -> Box<dyn TokenConstraint> + Send + Sync>);
+
+impl ConstraintSource {
+    pub fn new(start: impl Fn() -> Box<dyn TokenConstraint> + Send + Sync + 'static) -> Self {
+        ConstraintSource(std::sync::Arc::new(start))
+    }
+
+    /// A constraint at the grammar's start.
+    pub fn start(&self) -> Box<dyn TokenConstraint> {
+        (self.0)()
+    }
+}
+
+impl PartialEq for ConstraintSource {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl std::fmt::Debug for ConstraintSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConstraintSource")
+    }
 }
 
 impl Default for SamplingParams {
@@ -90,6 +128,8 @@ impl Default for SamplingParams {
             stop: Vec::new(),
             ignore_eos: false,
             logit_bias: Vec::new(),
+            logprobs: None,
+            constraint: None,
         }
     }
 }
@@ -119,6 +159,10 @@ impl SamplingParams {
                 "biases must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], token {token} has {bias}"
             );
             return Err(invalid("logit_bias", reason));
+        }
+        if let Some(top) = self.logprobs.filter(|&top| top > MAX_TOP_LOGPROBS) {
+            let reason = format!("at most {MAX_TOP_LOGPROBS} alternatives, got {top}");
+            return Err(invalid("top_logprobs", reason));
         }
         self.validate_stop()
     }
@@ -185,6 +229,28 @@ struct Candidate {
     score: f32,
 }
 
+/// The log-probabilities of one chosen token, from the logits after biases and penalties and
+/// before temperature, filters and any grammar's mask (OpenAI's definition; vLLM's default).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    /// The likeliest tokens with theirs, most likely first, ties to the lower id.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Restricts which tokens may come next: a grammar the output must follow. The sampler masks
+/// the logits with it before each pick and tells it the pick.
+pub trait TokenConstraint: Send + std::fmt::Debug {
+    /// Works out which tokens may come next, if not already known; a backend calls it while the
+    /// device computes the logits, so the work overlaps the step.
+    fn prepare(&mut self) -> std::result::Result<(), String>;
+    /// Sets the logit of every token that may not come next to -inf.
+    fn mask(&mut self, logits: &mut [f32]) -> std::result::Result<(), String>;
+    /// Advances past the picked token.
+    fn commit(&mut self, token: u32) -> std::result::Result<(), String>;
+}
+
 /// Picks one request's tokens: its parameters, its RNG and the history its penalties read.
 #[derive(Debug)]
 pub struct Sampler {
@@ -196,6 +262,12 @@ pub struct Sampler {
     output_counts: HashMap<u32, u32>,
     /// Scratch for the stochastic path, kept so a 150k vocabulary is not reallocated per token.
     candidates: Vec<Candidate>,
+    /// The grammar the output follows, if any.
+    constraint: Option<Box<dyn TokenConstraint>>,
+    /// Log-probabilities of the picks since the last [`Sampler::take_logprobs`], when asked for.
+    logprobs: Vec<TokenLogprobs>,
+    /// Why the constraint failed; the request ends with this error.
+    failure: Option<String>,
 }
 
 impl Sampler {
@@ -217,7 +289,50 @@ impl Sampler {
             prompt_tokens,
             output_counts: HashMap::new(),
             candidates: Vec::new(),
+            constraint: params.constraint.as_ref().map(ConstraintSource::start),
+            logprobs: Vec::new(),
+            failure: None,
         }
+    }
+
+    /// The same sampler with its output held to `constraint`.
+    pub fn constrained(self, constraint: Box<dyn TokenConstraint>) -> Self {
+        Sampler {
+            constraint: Some(constraint),
+            ..self
+        }
+    }
+
+    /// Whether only the host can pick this sampler's tokens: penalties and biases need its
+    /// history and maps, logprobs and grammars the whole row of logits.
+    pub fn needs_host(&self) -> bool {
+        let p = &self.params;
+        p.repetition_penalty != 1.0
+            || p.presence_penalty != 0.0
+            || p.frequency_penalty != 0.0
+            || !p.logit_bias.is_empty()
+            || p.logprobs.is_some()
+            || self.constraint.is_some()
+    }
+
+    /// Lets the constraint work out the next step's mask now (overlapping the device's work).
+    pub fn prepare(&mut self) {
+        if let Some(constraint) = &mut self.constraint
+            && self.failure.is_none()
+            && let Err(e) = constraint.prepare()
+        {
+            self.failure = Some(e);
+        }
+    }
+
+    /// The log-probabilities recorded since the last call, one per pick, in order.
+    pub fn take_logprobs(&mut self) -> Vec<TokenLogprobs> {
+        std::mem::take(&mut self.logprobs)
+    }
+
+    /// Why the output could not follow its grammar, once that happened.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -231,6 +346,26 @@ impl Sampler {
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
         assert!(!logits.is_empty(), "sampling needs at least one logit");
         self.apply_penalties(logits);
+        let scored = self.params.logprobs.map(|top| scores(logits, top));
+        self.apply_constraint(logits);
+        let token = self.pick(logits);
+        if let Some((normaliser, top)) = scored {
+            self.logprobs.push(TokenLogprobs {
+                token,
+                logprob: logits[token as usize] - normaliser,
+                top,
+            });
+        }
+        if let Some(constraint) = &mut self.constraint
+            && self.failure.is_none()
+            && let Err(e) = constraint.commit(token)
+        {
+            self.failure = Some(e);
+        }
+        token
+    }
+
+    fn pick(&mut self, logits: &[f32]) -> u32 {
         if self.params.temperature == 0.0 {
             return argmax(logits);
         }
@@ -242,6 +377,29 @@ impl Sampler {
         let uniform = uniform_f64(&mut self.rng);
         // Nothing left only when no logit is above -inf: there is no distribution to draw from.
         draw(&self.candidates, uniform).unwrap_or_else(|| argmax(logits))
+    }
+
+    /// Masks what the grammar forbids. A grammar that fails, or forbids everything, leaves the
+    /// logits as they are and records why: the request ends with that error after this pick.
+    fn apply_constraint(&mut self, logits: &mut [f32]) {
+        let Some(constraint) = &mut self.constraint else {
+            return;
+        };
+        if self.failure.is_some() {
+            return;
+        }
+        let before = logits.to_vec();
+        match constraint.mask(logits) {
+            Ok(()) if logits.iter().any(|&l| l > f32::NEG_INFINITY) => {}
+            Ok(()) => {
+                logits.copy_from_slice(&before);
+                self.failure = Some("the grammar allows no token here".into());
+            }
+            Err(e) => {
+                logits.copy_from_slice(&before);
+                self.failure = Some(e);
+            }
+        }
     }
 
     /// Draws the uniform the next stochastic pick uses, for a backend that applies the filters
@@ -305,6 +463,38 @@ impl Sampler {
                 score: logit.min(f32::MAX),
             }));
     }
+}
+
+/// The log of the softmax's normaliser over `logits` (their log-sum-exp, summed in f64) and the
+/// `top` largest logits as log-probabilities, largest first, ties to the lower id. One pass;
+/// the kept list is short, so inserting into it costs little.
+fn scores(logits: &[f32], top: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return (0.0, Vec::new());
+    }
+    let max = max.min(f32::MAX);
+    let sum: f64 = logits
+        .iter()
+        .map(|&l| f64::from(l.min(f32::MAX) - max).exp())
+        .sum();
+    let normaliser = max + sum.ln() as f32;
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (token, &logit) in logits.iter().enumerate() {
+            let full = best.len() == top;
+            if full && logit <= best[top - 1].1 || logit.is_nan() {
+                continue;
+            }
+            let at = best.partition_point(|&(_, l)| l >= logit);
+            best.insert(at, (token as u32, logit));
+            best.truncate(top);
+        }
+    }
+    for entry in &mut best {
+        entry.1 -= normaliser;
+    }
+    (normaliser, best)
 }
 
 /// Index of the largest logit. Ties go to the lowest id and NaN never wins; 0 when no logit is
@@ -481,6 +671,120 @@ mod tests {
             seed: Some(42),
             ..SamplingParams::default()
         }
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_after_biases_and_before_temperature() {
+        let params = SamplingParams {
+            temperature: 0.0,
+            logprobs: Some(2),
+            logit_bias: vec![(3, 1.0)],
+            ..params(0.0)
+        };
+        let mut sampler = Sampler::new(&params, &[]);
+        // Probabilities after the bias: 1/8, 1/8, 1/4, 1/2.
+        let ln = |x: f32| x.ln();
+        let mut logits = vec![ln(1.0), ln(1.0), ln(2.0), ln(4.0) - 1.0];
+        assert_eq!(sampler.sample(&mut logits), 3);
+        let recorded = sampler.take_logprobs();
+        assert_eq!(recorded.len(), 1);
+        let lp = &recorded[0];
+        assert_eq!(lp.token, 3);
+        assert!((lp.logprob - ln(0.5)).abs() < 1e-6, "{lp:?}");
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![3, 2]);
+        assert!((lp.top[1].1 - ln(0.25)).abs() < 1e-6, "{lp:?}");
+        assert!(sampler.take_logprobs().is_empty(), "taken once");
+        // A temperature changes the draw, not the reported distribution.
+        let hot = SamplingParams {
+            temperature: 5.0,
+            ..params.clone()
+        };
+        let mut sampler = Sampler::new(&hot, &[]);
+        let mut logits = vec![ln(1.0), ln(1.0), ln(2.0), ln(4.0) - 1.0];
+        let token = sampler.sample(&mut logits);
+        let lp = &sampler.take_logprobs()[0];
+        let expected = [ln(0.125), ln(0.125), ln(0.25), ln(0.5)][token as usize];
+        assert!((lp.logprob - expected).abs() < 1e-6, "{lp:?}");
+    }
+
+    #[test]
+    fn top_logprobs_break_ties_to_the_lower_id_and_skip_nan() {
+        let mut sampler = Sampler::new(
+            &SamplingParams {
+                logprobs: Some(3),
+                ..params(0.0)
+            },
+            &[],
+        );
+        let mut logits = vec![1.0, f32::NAN, 2.0, 1.0, 1.0, 0.5];
+        sampler.sample(&mut logits);
+        let lp = &sampler.take_logprobs()[0];
+        assert_eq!(
+            lp.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+            vec![2, 0, 3]
+        );
+    }
+
+    /// Allows only even token ids, and counts what it was told.
+    #[derive(Debug, Default)]
+    struct EvenOnly {
+        committed: Vec<u32>,
+    }
+
+    impl TokenConstraint for EvenOnly {
+        fn prepare(&mut self) -> std::result::Result<(), String> {
+            Ok(())
+        }
+        fn mask(&mut self, logits: &mut [f32]) -> std::result::Result<(), String> {
+            for (i, l) in logits.iter_mut().enumerate() {
+                if i % 2 == 1 {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            Ok(())
+        }
+        fn commit(&mut self, token: u32) -> std::result::Result<(), String> {
+            self.committed.push(token);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_constraint_masks_every_pick_and_forces_the_host() {
+        let mut sampler =
+            Sampler::new(&params(1.0), &[]).constrained(Box::new(EvenOnly::default()));
+        assert!(sampler.needs_host());
+        for _ in 0..50 {
+            let mut logits = vec![0.0, 3.0, 0.0, 3.0, 0.5, 3.0];
+            assert_eq!(sampler.sample(&mut logits) % 2, 0);
+        }
+        assert!(sampler.failure().is_none());
+        assert!(!Sampler::new(&params(1.0), &[]).needs_host());
+    }
+
+    /// Forbids everything.
+    #[derive(Debug)]
+    struct Nothing;
+
+    impl TokenConstraint for Nothing {
+        fn prepare(&mut self) -> std::result::Result<(), String> {
+            Ok(())
+        }
+        fn mask(&mut self, logits: &mut [f32]) -> std::result::Result<(), String> {
+            logits.fill(f32::NEG_INFINITY);
+            Ok(())
+        }
+        fn commit(&mut self, _: u32) -> std::result::Result<(), String> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_constraint_that_allows_nothing_is_a_failure_not_a_pick_from_nothing() {
+        let mut sampler = Sampler::new(&params(0.0), &[]).constrained(Box::new(Nothing));
+        let mut logits = vec![0.0, 1.0];
+        sampler.sample(&mut logits);
+        assert_eq!(sampler.failure(), Some("the grammar allows no token here"));
     }
 
     /// Logits whose softmax is exactly the given probabilities (up to rounding).

@@ -75,6 +75,16 @@ impl Tokenizer {
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
     }
+
+    /// The `tokenizer.json` it was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The `tokenizers` tokenizer itself, for libraries that take one.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
 }
 
 /// Turns generated ids into text as they arrive, never emitting half of a UTF-8 character.

@@ -2,13 +2,19 @@
 //! tokenized request.
 //!
 //! Unknown fields are ignored, as OpenAI's own clients send fields a server may not know. Known
-//! fields snapserve cannot honour (`n` above 1, `logprobs`, `best_of`, `suffix`, image parts)
-//! are refused with a 400 that names them, never silently dropped.
+//! fields snapserve cannot honour (`n` above 1, `best_of`, `suffix`, image parts, `echo` with
+//! `logprobs`) are refused with a 400 that names them, never silently dropped.
+//!
+//! Structured outputs (`response_format`, and vLLM's `guided_json`, `guided_regex` and
+//! `guided_grammar`) are compiled here, so a schema the grammar engine cannot honour is a 400
+//! before the request is queued.
 
 use engine::EngineError;
 use engine::chat::ChatMessage;
-use engine::sampling::SamplingParams;
+use engine::grammar::GrammarSpec;
+use engine::sampling::{MAX_TOP_LOGPROBS, SamplingParams};
 use serde::Deserialize;
+use serde_json::Value;
 
 use super::Model;
 use super::error::ApiError;
@@ -56,6 +62,25 @@ pub struct Sampling {
     pub stream_options: Option<StreamOptions>,
     /// Token id (as a string, JSON's object keys) to the bias added to its logit.
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    pub response_format: Option<ResponseFormat>,
+    /// vLLM's extensions: a JSON schema, a regular expression or a Lark grammar.
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_grammar: Option<String>,
+}
+
+/// OpenAI's `response_format`.
+#[derive(Debug, Deserialize)]
+pub struct ResponseFormat {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub json_schema: Option<JsonSchemaFormat>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct JsonSchemaFormat {
+    pub schema: Option<Value>,
+    pub strict: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -65,7 +90,8 @@ pub struct CompletionRequest {
     pub max_tokens: Option<usize>,
     #[serde(flatten)]
     pub sampling: Sampling,
-    pub logprobs: Option<serde_json::Value>,
+    /// How many alternatives to report with each token's log-probability (0: none).
+    pub logprobs: Option<usize>,
     pub echo: Option<bool>,
     pub best_of: Option<usize>,
     pub suffix: Option<String>,
@@ -152,6 +178,66 @@ impl Sampling {
         Ok(biases)
     }
 
+    /// The grammar the output must follow, if the request names one (at most one may).
+    fn grammar(&self) -> Result<Option<(GrammarSpec, &'static str)>, ApiError> {
+        let mut specs = Vec::new();
+        if let Some(format) = &self.response_format {
+            let param = "response_format";
+            match format.kind.as_str() {
+                "text" => {}
+                "json_object" => specs.push((GrammarSpec::JsonObject, param)),
+                "json_schema" => {
+                    let Some(schema) = format.json_schema.as_ref().and_then(|j| j.schema.clone())
+                    else {
+                        return Err(ApiError::invalid_param(
+                            "response_format.json_schema.schema",
+                            "a `json_schema` response format needs its `json_schema.schema`",
+                        ));
+                    };
+                    let strict = format
+                        .json_schema
+                        .as_ref()
+                        .and_then(|j| j.strict)
+                        .unwrap_or(false);
+                    specs.push((GrammarSpec::JsonSchema { schema, strict }, param));
+                }
+                other => {
+                    return Err(ApiError::invalid_param(
+                        "response_format.type",
+                        format!(
+                            "`{other}` is not a response format; use text, json_object or json_schema"
+                        ),
+                    ));
+                }
+            }
+        }
+        if let Some(schema) = &self.guided_json {
+            let schema = match schema {
+                // vLLM also takes the schema as a JSON string.
+                Value::String(text) => serde_json::from_str(text).map_err(|e| {
+                    ApiError::invalid_param("guided_json", format!("not a JSON schema: {e}"))
+                })?,
+                schema => schema.clone(),
+            };
+            let strict = false;
+            specs.push((GrammarSpec::JsonSchema { schema, strict }, "guided_json"));
+        }
+        if let Some(regex) = &self.guided_regex {
+            specs.push((GrammarSpec::Regex(regex.clone()), "guided_regex"));
+        }
+        if let Some(lark) = &self.guided_grammar {
+            specs.push((GrammarSpec::Lark(lark.clone()), "guided_grammar"));
+        }
+        if specs.len() > 1 {
+            let names: Vec<&str> = specs.iter().map(|(_, param)| *param).collect();
+            return Err(ApiError::invalid_param(
+                names[1],
+                format!("only one of {} may be given", names.join(", ")),
+            ));
+        }
+        Ok(specs.pop())
+    }
+
     /// Sampling parameters with OpenAI's defaults (temperature 1, top_p 1).
     fn params(&self, max_tokens: usize, logit_bias: Vec<(u32, f32)>) -> SamplingParams {
         let stop = match &self.stop {
@@ -176,6 +262,8 @@ impl Sampling {
             stop,
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logit_bias,
+            logprobs: None,
+            constraint: None,
         }
     }
 
@@ -185,6 +273,7 @@ impl Sampling {
         prompt: Vec<u32>,
         max_tokens: Option<usize>,
         default_max: usize,
+        logprobs: Option<usize>,
     ) -> Result<Prepared, ApiError> {
         let limit = model.limit.tokens;
         if prompt.len() >= limit {
@@ -220,7 +309,20 @@ impl Sampling {
                 "stream_options is only allowed when stream is true",
             ));
         }
-        let params = self.params(max_tokens, self.logit_bias(model.vocab_size)?);
+        let mut params = self.params(max_tokens, self.logit_bias(model.vocab_size)?);
+        params.logprobs = logprobs;
+        if let Some((spec, param)) = self.grammar()? {
+            let grammars = model.grammars.as_ref().map_err(|why| {
+                ApiError::invalid_param(
+                    param,
+                    format!("structured outputs are not available for this model: {why}"),
+                )
+            })?;
+            let grammar = grammars
+                .constraint(&spec)
+                .map_err(|why| ApiError::invalid_param(param, format!("invalid grammar: {why}")))?;
+            params.constraint = Some(grammar.into_source());
+        }
         params.validate().map_err(|e| match &e {
             EngineError::InvalidSampling { name, .. } => {
                 ApiError::invalid_param(name, e.to_string())
@@ -258,8 +360,17 @@ impl CompletionRequest {
                 format!("{what} is not supported"),
             ))
         };
-        if self.logprobs.as_ref().is_some_and(|v| !v.is_null()) {
-            return refuse("logprobs", "logprobs");
+        if let Some(top) = self.logprobs.filter(|&top| top > MAX_TOP_LOGPROBS) {
+            return Err(ApiError::invalid_param(
+                "logprobs",
+                format!("at most {MAX_TOP_LOGPROBS} alternatives, got {top}"),
+            ));
+        }
+        if self.logprobs.is_some() && self.echo == Some(true) {
+            return refuse(
+                "echo",
+                "echo together with logprobs (the prompt's logprobs)",
+            );
         }
         if self.best_of.is_some_and(|b| b != 1) {
             return refuse("best_of", "best_of above 1");
@@ -296,7 +407,9 @@ impl CompletionRequest {
             _ => None,
         };
         // OpenAI's default for completions.
-        let prepared = self.sampling.prepare(model, prompt, self.max_tokens, 16)?;
+        let prepared = self
+            .sampling
+            .prepare(model, prompt, self.max_tokens, 16, self.logprobs)?;
         Ok(Prepared { echo, ..prepared })
     }
 }
@@ -305,12 +418,22 @@ impl ChatRequest {
     pub fn prepare(&self, model: &Model) -> Result<Prepared, ApiError> {
         check_model(self.model.as_deref(), model)?;
         self.sampling.unsupported()?;
-        if self.logprobs == Some(true) || self.top_logprobs.is_some() {
-            return Err(ApiError::invalid_param(
-                "logprobs",
-                "logprobs are not supported",
-            ));
-        }
+        let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
+            (false, Some(_)) => {
+                return Err(ApiError::invalid_param(
+                    "top_logprobs",
+                    "top_logprobs needs logprobs set to true",
+                ));
+            }
+            (true, Some(top)) if top > MAX_TOP_LOGPROBS => {
+                return Err(ApiError::invalid_param(
+                    "top_logprobs",
+                    format!("at most {MAX_TOP_LOGPROBS} alternatives, got {top}"),
+                ));
+            }
+            (true, top) => Some(top.unwrap_or(0)),
+            (false, None) => None,
+        };
         let Some(template) = &model.chat_template else {
             return Err(ApiError::invalid(format!(
                 "{} has no chat template; use /v1/completions",
@@ -334,7 +457,7 @@ impl ChatRequest {
         let max_tokens = self.max_completion_tokens.or(self.max_tokens);
         // Without a limit, a chat reply may use the rest of the context.
         self.sampling
-            .prepare(model, prompt, max_tokens, model.limit.tokens)
+            .prepare(model, prompt, max_tokens, model.limit.tokens, logprobs)
     }
 }
 

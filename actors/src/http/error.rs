@@ -96,7 +96,9 @@ impl From<ServeError> for ApiError {
             // retrying is its call.
             ServeError::Cancelled => (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
             ServeError::ContextFull { .. } => (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
-            ServeError::Engine(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
+            ServeError::Engine(_) | ServeError::Grammar(_) => {
+                (StatusCode::INTERNAL_SERVER_ERROR, "server_error")
+            }
         };
         let retry_after = match &error {
             ServeError::Overloaded { retry_after } => Some(*retry_after),

@@ -24,6 +24,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use actix_web::http::StatusCode;
 use actix_web::{HttpRequest, HttpResponse, web};
 use engine::chat::ChatTemplate;
+use engine::grammar::Grammars;
 use engine::model::ModelFiles;
 use engine::tokenizer::Tokenizer;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -50,6 +51,10 @@ pub struct Model {
     pub limit: SequenceLimit,
     /// Token ids below this have logits (`logit_bias` may name no other).
     pub vocab_size: usize,
+    /// Ids that end generation; their log-probabilities are not reported.
+    pub eos_token_ids: Vec<u32>,
+    /// The grammar engine over this vocabulary (structured outputs), or why there is none.
+    pub grammars: Result<Arc<Grammars>, String>,
     /// When the server started, in seconds since the epoch (`created` in `/v1/models`).
     pub created: u64,
 }
@@ -57,13 +62,34 @@ pub struct Model {
 impl Model {
     /// The API's view of `files`, served under `id`, with `limit` positions a sequence.
     pub fn new(files: ModelFiles, id: String, limit: SequenceLimit) -> Self {
+        let vocab_size = files.config.vocab_size;
+        let grammars = Grammars::new(&files.tokenizer, vocab_size, &files.eos_token_ids)
+            .map(Arc::new)
+            .map_err(|e| {
+                tracing::warn!("structured outputs are off: {e}");
+                e.to_string()
+            });
         Model {
             id,
-            vocab_size: files.config.vocab_size,
+            vocab_size,
+            eos_token_ids: files.eos_token_ids,
+            grammars,
             tokenizer: files.tokenizer,
             chat_template: files.chat_template,
             limit,
             created: unix_now(),
+        }
+    }
+
+    /// The bytes token `id` stands for, as `logprobs` reports them.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        match &self.grammars {
+            Ok(grammars) => grammars.token_bytes(id).to_vec(),
+            Err(_) => self
+                .tokenizer
+                .decode(&[id], false)
+                .unwrap_or_default()
+                .into_bytes(),
         }
     }
 }
@@ -207,13 +233,15 @@ async fn respond(
     } = prepared;
     let prompt_tokens = prompt.len();
     let stops = params.stop.clone();
+    let logprobs = params.logprobs.is_some();
     let events = state
         .handles
         .submit(GenerateRequest { prompt, params })
         .await?;
     crate::metrics::prompt_accepted(prompt_tokens);
-    let output =
-        Output::new(state.model.clone(), events, &stops, prompt_tokens, kind).echoing(echo);
+    let output = Output::new(state.model.clone(), events, &stops, prompt_tokens, kind)
+        .echoing(echo)
+        .with_logprobs(logprobs);
     if stream {
         Ok(HttpResponse::Ok()
             .content_type("text/event-stream")

@@ -17,6 +17,7 @@ use super::error::ApiError;
 use crate::error::ServeError;
 use crate::metrics;
 use crate::request::{Event, RequestStream};
+use engine::sampling::TokenLogprobs;
 
 /// Which endpoint's shapes to answer in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,9 +33,11 @@ enum End {
     Failed(ApiError),
 }
 
-/// One read from the request: text that became final, and the end if it came.
+/// One read from the request: text that became final, the log-probabilities of the tokens
+/// read for it (when asked for), and the end if it came.
 struct Piece {
     text: String,
+    logprobs: Vec<TokenLogprobs>,
     end: Option<End>,
 }
 
@@ -53,6 +56,10 @@ pub struct Output {
     last_token: Option<Instant>,
     /// Text answered before the completion's own (`echo`): the first piece.
     echo: Option<String>,
+    /// Log-probabilities of tokens read since the last piece, when the request asked for them.
+    logprobs: Option<Vec<TokenLogprobs>>,
+    /// Characters of text answered so far (`text_offset` of completions' logprobs).
+    offset: usize,
 }
 
 impl Output {
@@ -80,6 +87,16 @@ impl Output {
             submitted: Instant::now(),
             last_token: None,
             echo: None,
+            logprobs: None,
+            offset: 0,
+        }
+    }
+
+    /// Reports each token's log-probabilities with its text.
+    pub fn with_logprobs(self, wanted: bool) -> Self {
+        Output {
+            logprobs: wanted.then(Vec::new),
+            ..self
         }
     }
 
@@ -91,7 +108,7 @@ impl Output {
     /// Reads events until some text is final or the request ends.
     async fn next(&mut self) -> Piece {
         if let Some(text) = self.echo.take().filter(|t| !t.is_empty()) {
-            return Piece { text, end: None };
+            return self.piece(text, None);
         }
         loop {
             let Some(events) = self.events.as_mut() else {
@@ -101,6 +118,11 @@ impl Output {
             match event {
                 Some(Event::Token(token)) => {
                     self.completion_tokens += 1;
+                    if let (Some(list), Some(scored)) = (&mut self.logprobs, events.logprobs())
+                        && !self.model.eos_token_ids.contains(&token)
+                    {
+                        list.push(scored.clone());
+                    }
                     let now = Instant::now();
                     match self.last_token.replace(now) {
                         None => metrics::time_to_first_token((now - self.submitted).as_secs_f64()),
@@ -117,19 +139,14 @@ impl Output {
                         }
                         metrics::request_done(self.submitted.elapsed().as_secs_f64(), "stop");
                         let usage = self.usage(self.completion_tokens, None);
-                        return Piece {
-                            text: out.text,
-                            end: Some(End::Finished {
-                                reason: "stop",
-                                usage,
-                            }),
+                        let end = End::Finished {
+                            reason: "stop",
+                            usage,
                         };
+                        return self.piece(out.text, Some(end));
                     }
                     if !out.text.is_empty() {
-                        return Piece {
-                            text: out.text,
-                            end: None,
-                        };
+                        return self.piece(out.text, None);
                     }
                 }
                 Some(Event::Finished { reason, usage }) => {
@@ -142,10 +159,7 @@ impl Output {
                     };
                     metrics::request_done(self.submitted.elapsed().as_secs_f64(), reason);
                     let usage = self.usage(usage.completion_tokens, Some(usage.cached_tokens));
-                    return Piece {
-                        text,
-                        end: Some(End::Finished { reason, usage }),
-                    };
+                    return self.piece(text, Some(End::Finished { reason, usage }));
                 }
                 Some(Event::Failed(error)) => return self.failed(error.into()),
                 Some(Event::Cancelled) => return self.failed(ServeError::Cancelled.into()),
@@ -158,9 +172,80 @@ impl Output {
     fn failed(&mut self, error: ApiError) -> Piece {
         self.events = None;
         metrics::request_done(self.submitted.elapsed().as_secs_f64(), "error");
+        self.piece(String::new(), Some(End::Failed(error)))
+    }
+
+    fn piece(&mut self, text: String, end: Option<End>) -> Piece {
+        let logprobs = self
+            .logprobs
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default();
         Piece {
-            text: String::new(),
-            end: Some(End::Failed(error)),
+            text,
+            logprobs,
+            end,
+        }
+    }
+
+    /// The `logprobs` of a choice: null when not asked for; else OpenAI's shape for the
+    /// endpoint, chat's `content` list or completions' parallel lists.
+    fn logprobs_json(&mut self, scored: &[TokenLogprobs]) -> Value {
+        if self.logprobs.is_none() {
+            return Value::Null;
+        }
+        let model = &self.model;
+        let token = |id: u32| {
+            let bytes = model.token_bytes(id);
+            (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+        };
+        match self.kind {
+            Kind::Chat => {
+                let content: Vec<Value> = scored
+                    .iter()
+                    .map(|s| {
+                        let (text, bytes) = token(s.token);
+                        let top: Vec<Value> = s
+                            .top
+                            .iter()
+                            .map(|&(id, logprob)| {
+                                let (text, bytes) = token(id);
+                                json!({"token": text, "logprob": logprob, "bytes": bytes})
+                            })
+                            .collect();
+                        json!({
+                            "token": text, "logprob": s.logprob, "bytes": bytes,
+                            "top_logprobs": top,
+                        })
+                    })
+                    .collect();
+                json!({"content": content, "refusal": null})
+            }
+            Kind::Completion => {
+                let mut tokens = Vec::new();
+                let mut token_logprobs = Vec::new();
+                let mut top_logprobs = Vec::new();
+                let mut text_offset = Vec::new();
+                for s in scored {
+                    let (text, _) = token(s.token);
+                    text_offset.push(self.offset);
+                    self.offset += text.chars().count();
+                    tokens.push(text);
+                    token_logprobs.push(s.logprob);
+                    let top: serde_json::Map<String, Value> = s
+                        .top
+                        .iter()
+                        .map(|&(id, logprob)| (token(id).0, json!(logprob)))
+                        .collect();
+                    top_logprobs.push(top);
+                }
+                json!({
+                    "tokens": tokens,
+                    "token_logprobs": token_logprobs,
+                    "top_logprobs": top_logprobs,
+                    "text_offset": text_offset,
+                })
+            }
         }
     }
 
@@ -189,21 +274,25 @@ impl Output {
     /// Reads the request to its end and answers in one body.
     pub async fn whole(mut self) -> Result<Value, ApiError> {
         let mut text = String::new();
+        let mut scored = Vec::new();
         loop {
             let piece = self.next().await;
             text.push_str(&piece.text);
+            scored.extend(piece.logprobs);
             match piece.end {
                 None => {}
                 Some(End::Failed(error)) => return Err(error),
                 Some(End::Finished { reason, usage }) => {
+                    let logprobs = self.logprobs_json(&scored);
                     let choice = match self.kind {
                         Kind::Completion => json!({
-                            "index": 0, "text": text, "logprobs": null, "finish_reason": reason,
+                            "index": 0, "text": text, "logprobs": logprobs,
+                            "finish_reason": reason,
                         }),
                         Kind::Chat => json!({
                             "index": 0,
                             "message": {"role": "assistant", "content": text},
-                            "logprobs": null,
+                            "logprobs": logprobs,
                             "finish_reason": reason,
                         }),
                     };
@@ -219,13 +308,24 @@ impl Output {
         }
     }
 
-    /// A chunk of the stream: `text` as the next piece, or the end's `finish_reason`.
-    fn chunk(&self, text: Option<&str>, finish_reason: Option<&str>) -> Value {
+    /// A chunk of the stream: `text` as the next piece with its tokens' `scored`
+    /// log-probabilities, or the end's `finish_reason`.
+    fn chunk(
+        &mut self,
+        text: Option<&str>,
+        scored: &[TokenLogprobs],
+        finish_reason: Option<&str>,
+    ) -> Value {
+        let logprobs = if text.is_some() {
+            self.logprobs_json(scored)
+        } else {
+            Value::Null
+        };
         let choice = match self.kind {
             Kind::Completion => json!({
                 "index": 0,
                 "text": text.unwrap_or(""),
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }),
             Kind::Chat => json!({
@@ -234,7 +334,7 @@ impl Output {
                     Some(text) => json!({"content": text}),
                     None => json!({}),
                 },
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }),
         };
@@ -274,14 +374,14 @@ impl Output {
             }
             let piece = output.next().await;
             let mut bytes = String::new();
-            if !piece.text.is_empty() {
-                bytes += &sse(&output.chunk(Some(&piece.text), None));
+            if !piece.text.is_empty() || !piece.logprobs.is_empty() {
+                bytes += &sse(&output.chunk(Some(&piece.text), &piece.logprobs, None));
             }
             let finished = piece.end.is_some();
             match piece.end {
                 None => {}
                 Some(End::Finished { reason, usage }) => {
-                    bytes += &sse(&output.chunk(None, Some(reason)));
+                    bytes += &sse(&output.chunk(None, &[], Some(reason)));
                     if include_usage {
                         let mut chunk = output.envelope(output.chunk_object(), json!([]));
                         chunk["usage"] = usage;

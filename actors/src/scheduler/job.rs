@@ -8,7 +8,7 @@
 use std::time::Instant;
 
 use cache::{PageId, PrefixHash, PrefixHasher, SlotHandle, SnapshotId};
-use engine::sampling::Sampler;
+use engine::sampling::{Sampler, TokenLogprobs};
 use policy::Backoff;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -125,10 +125,12 @@ impl Job {
         &self.chain[..pages]
     }
 
-    /// Sends the caller the tokens of one step, in one channel operation.
-    pub fn emit_tokens(&self, tokens: &[u32]) {
+    /// Sends the caller the tokens of one step, in one channel operation, with their
+    /// log-probabilities when the request asked for them (then one per token).
+    pub fn emit_tokens(&self, tokens: &[u32], logprobs: Vec<TokenLogprobs>) {
         let delivery = match tokens {
             [] => return,
+            _ if !logprobs.is_empty() => Delivery::Scored(logprobs),
             &[token] => Delivery::Token(token),
             tokens => Delivery::Tokens(tokens.to_vec()),
         };

@@ -838,7 +838,16 @@ impl Scheduler {
             let tokens = sampled.row(p);
             // Each decode step after the first computed the token the one before sampled.
             self.running[row.job].computed = row.end + tokens.len().saturating_sub(1);
-            let before = self.running[row.job].tokens.len();
+            let job = &mut self.running[row.job];
+            let sampler = job.sampler.as_mut().expect("returned above");
+            let mut logprobs = sampler.take_logprobs();
+            if let Some(failure) = sampler.failure() {
+                // This step's picks were not held to the grammar: none of them is delivered.
+                let error = ServeError::Grammar(failure.to_owned());
+                ended.push((row.job, End::Failed(error)));
+                continue;
+            }
+            let before = job.tokens.len();
             for &token in tokens {
                 let job = &mut self.running[row.job];
                 job.sampler.as_mut().expect("returned above").accept(token);
@@ -849,7 +858,8 @@ impl Scheduler {
                 }
             }
             let job = &self.running[row.job];
-            job.emit_tokens(&job.tokens[before..]);
+            logprobs.truncate(job.tokens.len() - before);
+            job.emit_tokens(&job.tokens[before..], logprobs);
             self.stats.generated_tokens += (job.tokens.len() - before) as u64;
         }
     }

@@ -631,7 +631,7 @@ impl CudaBackend {
                 ));
             }
             match sampler {
-                Some(s) if sample::on_device(s.params()) => sample::push_params(s, &mut params),
+                Some(s) if !s.needs_host() => sample::push_params(s, &mut params),
                 _ => sample::push_greedy(&mut params),
             }
         }
@@ -642,10 +642,14 @@ impl CudaBackend {
         if !projected {
             self.forward().logits(0, rows)?;
         }
+        // The device computes the logits meanwhile: grammars work out their masks now.
+        for sampler in samplers.iter_mut().flatten() {
+            sampler.prepare();
+        }
         let mut host_logits = vec![0f32; self.config.vocab_size];
         let mut host_picks = Vec::new();
         for (r, sampler) in samplers.iter_mut().enumerate() {
-            if let Some(s) = sampler.as_mut().filter(|s| !sample::on_device(s.params())) {
+            if let Some(s) = sampler.as_mut().filter(|s| s.needs_host()) {
                 let vocab = self.config.vocab_size;
                 self.device
                     .download(self.ws.logits.offset(r * vocab), &mut host_logits)?;

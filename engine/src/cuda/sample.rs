@@ -2,19 +2,11 @@
 //!
 //! The GPU applies temperature, top-k, top-p and min-p and draws with a uniform taken from the
 //! request's own sampler, so a seeded request stays reproducible. Penalties need the request's
-//! token history, which stays on the host, and logit biases their map: such rows are sampled
-//! there from downloaded logits.
+//! token history, which stays on the host, logit biases their map, and logprobs and grammars
+//! the whole row: such rows ([`Sampler::needs_host`]) are sampled there from downloaded logits.
 
 use super::kernels::SAMPLE_PARAM_WORDS;
-use crate::sampling::{Sampler, SamplingParams};
-
-/// Whether the GPU can sample for these parameters.
-pub fn on_device(params: &SamplingParams) -> bool {
-    params.repetition_penalty == 1.0
-        && params.presence_penalty == 0.0
-        && params.frequency_penalty == 0.0
-        && params.logit_bias.is_empty()
-}
+use crate::sampling::Sampler;
 
 /// Appends one row's parameters. A stochastic row draws its uniform from `sampler` now.
 pub fn push_params(sampler: &mut Sampler, out: &mut Vec<u32>) {

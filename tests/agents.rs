@@ -1,0 +1,254 @@
+//! The API features agents and applications rely on, end to end: the real `snapserve serve`
+//! binary with the real SmolLM2 on the CPU, spoken to over HTTP. Log-probabilities (whole and
+//! streamed, chat and completions) and structured outputs (`response_format` json_object and
+//! json_schema, vLLM's `guided_regex`), with output validated by an independent JSON Schema
+//! validator, and the 400s of requests that get them wrong.
+
+mod common;
+
+use common::*;
+use serde_json::{Value, json};
+
+const CONFIG: &str = "[cache]\npool_tokens = 16384\n[admission]\nmax_running = 8\n";
+
+fn chunks(events: &[String]) -> Vec<Value> {
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect()
+}
+
+fn assert_probability(logprob: &Value) -> f64 {
+    let lp = logprob
+        .as_f64()
+        .unwrap_or_else(|| panic!("{logprob} is no number"));
+    assert!(lp <= 0.0 && lp.is_finite(), "{lp} is no log-probability");
+    lp
+}
+
+#[test]
+fn logprobs_whole_and_streamed_in_openai_shapes() {
+    let server = Server::start(&smollm2(), CONFIG);
+    let messages = json!([{"role": "user", "content": "Name a colour."}]);
+    let request = json!({
+        "messages": messages, "max_tokens": 8, "temperature": 0,
+        "logprobs": true, "top_logprobs": 3,
+    });
+    let (status, _, body) = server.post("/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{body}");
+    let choice = &body["choices"][0];
+    let content = choice["logprobs"]["content"]
+        .as_array()
+        .expect("a content list");
+    assert_eq!(
+        content.len(),
+        body["usage"]["completion_tokens"].as_u64().unwrap() as usize
+    );
+    let mut text = String::new();
+    for entry in content {
+        let lp = assert_probability(&entry["logprob"]);
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{entry}");
+        // Greedy: the chosen token is the likeliest, and the list is ordered.
+        assert_eq!(top[0]["token"], entry["token"], "{entry}");
+        assert!((assert_probability(&top[0]["logprob"]) - lp).abs() < 1e-6);
+        let lps: Vec<f64> = top
+            .iter()
+            .map(|t| assert_probability(&t["logprob"]))
+            .collect();
+        assert!(lps.windows(2).all(|w| w[0] >= w[1]), "{lps:?}");
+        let bytes: Vec<u8> = entry["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u8)
+            .collect();
+        assert_eq!(
+            String::from_utf8_lossy(&bytes),
+            entry["token"].as_str().unwrap()
+        );
+        text += entry["token"].as_str().unwrap();
+    }
+    assert_eq!(text, choice["message"]["content"].as_str().unwrap());
+
+    // Streamed: the same entries, spread over the chunks.
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let streamed_entries: Vec<Value> =
+        chunks(&server.post_stream("/v1/chat/completions", &streamed))
+            .iter()
+            .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
+            .flatten()
+            .collect();
+    assert_eq!(&streamed_entries, content);
+
+    // Completions: the legacy parallel lists.
+    let request = json!({
+        "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "logprobs": 2,
+    });
+    let (status, _, body) = server.post("/v1/completions", &request);
+    assert_eq!(status, 200, "{body}");
+    let logprobs = &body["choices"][0]["logprobs"];
+    let tokens = logprobs["tokens"].as_array().unwrap();
+    assert_eq!(tokens.len(), 6);
+    assert_eq!(logprobs["token_logprobs"].as_array().unwrap().len(), 6);
+    let offsets: Vec<u64> = logprobs["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap())
+        .collect();
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+    for (token, top) in tokens
+        .iter()
+        .zip(logprobs["top_logprobs"].as_array().unwrap())
+    {
+        let top = top.as_object().unwrap();
+        assert!(
+            top.len() <= 2 && top.contains_key(token.as_str().unwrap()),
+            "{top:?}"
+        );
+    }
+    let joined: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(joined, body["choices"][0]["text"].as_str().unwrap());
+
+    // Without logprobs, `logprobs` stays null.
+    let (_, _, body) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 2, "temperature": 0}),
+    );
+    assert!(body["choices"][0]["logprobs"].is_null(), "{body}");
+
+    let refused = [
+        (
+            json!({"messages": messages, "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+        (
+            json!({"messages": messages, "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (json!({"prompt": "Hi", "logprobs": 21}), "logprobs"),
+        (json!({"prompt": "Hi", "logprobs": 1, "echo": true}), "echo"),
+    ];
+    for (body, param) in refused {
+        let path = if body.get("prompt").is_some() {
+            "/v1/completions"
+        } else {
+            "/v1/chat/completions"
+        };
+        let (status, _, answer) = server.post(path, &body);
+        assert_eq!(status, 400, "{body} -> {answer}");
+        assert_eq!(answer["error"]["param"], param, "{answer}");
+    }
+    assert!(server.is_idle());
+}
+
+#[test]
+fn structured_outputs_parse_and_validate_whole_and_streamed() {
+    let server = Server::start(&smollm2(), CONFIG);
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 30},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "pets": {"type": "array", "items": {"type": "string", "maxLength": 15}, "maxItems": 3}
+        },
+        "required": ["name", "age", "pets"],
+        "additionalProperties": false
+    });
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let messages = json!([{"role": "user", "content": "Describe a person with pets."}]);
+    let format = json!({"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": true}});
+    for temperature in [0.0, 0.8] {
+        let request = json!({
+            "messages": messages, "max_tokens": 120, "temperature": temperature, "seed": 7,
+            "response_format": format,
+        });
+        let (status, _, body) = server.post("/v1/chat/completions", &request);
+        assert_eq!(status, 200, "{body}");
+        let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+        let value: Value = serde_json::from_str(content)
+            .unwrap_or_else(|e| panic!("{content:?} is not JSON: {e}"));
+        assert!(validator.is_valid(&value), "{value} fails the schema");
+        assert_eq!(body["choices"][0]["finish_reason"], "stop", "{body}");
+
+        let mut streamed = request.clone();
+        streamed["stream"] = json!(true);
+        let text: String = chunks(&server.post_stream("/v1/chat/completions", &streamed))
+            .iter()
+            .filter_map(|c| {
+                c["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(str::to_owned)
+            })
+            .collect();
+        assert_eq!(text, content, "seeded stream and whole answer differ");
+    }
+
+    // Any JSON object.
+    let request = json!({
+        "messages": [{"role": "user", "content": "Give the name and the age of a cat, in JSON."}],
+        "max_tokens": 120, "temperature": 0, "response_format": {"type": "json_object"},
+    });
+    let (_, _, body) = server.post("/v1/chat/completions", &request);
+    let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+    let value: Value = serde_json::from_str(content).unwrap();
+    assert!(value.is_object(), "{value}");
+
+    // A regular expression on completions (vLLM's extension).
+    let request = json!({
+        "prompt": "Today's date is", "max_tokens": 20, "temperature": 0,
+        "guided_regex": " [0-9]{4}-[0-9]{2}-[0-9]{2}",
+    });
+    let (status, _, body) = server.post("/v1/completions", &request);
+    assert_eq!(status, 200, "{body}");
+    let text = body["choices"][0]["text"].as_str().unwrap();
+    let date = text.strip_prefix(' ').expect("a leading space");
+    assert_eq!(date.len(), 10, "{text:?}");
+    assert!(
+        date.chars().enumerate().all(|(i, c)| if i == 4 || i == 7 {
+            c == '-'
+        } else {
+            c.is_ascii_digit()
+        }),
+        "{text:?}"
+    );
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+
+    let refused = [
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}}),
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+            "response_format.json_schema.schema",
+        ),
+        (
+            json!({"response_format": {"type": "yaml"}}),
+            "response_format.type",
+        ),
+        (
+            json!({"response_format": {"type": "json_object"}, "guided_regex": "a+"}),
+            "guided_regex",
+        ),
+        (json!({"guided_regex": "(unclosed"}), "guided_regex"),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"strict": true, "schema": {"type": "array", "uniqueItems": true}}}}),
+            "response_format",
+        ),
+    ];
+    for (extra, param) in refused {
+        let mut body = json!({"messages": messages, "max_tokens": 4});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (status, _, answer) = server.post("/v1/chat/completions", &body);
+        assert_eq!(status, 400, "{body} -> {answer}");
+        assert_eq!(answer["error"]["param"], param, "{answer}");
+    }
+    assert!(server.is_idle());
+}
