@@ -252,3 +252,220 @@ fn structured_outputs_parse_and_validate_whole_and_streamed() {
     }
     assert!(server.is_idle());
 }
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 30},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": false
+            }
+        }},
+        {"type": "function", "function": {
+            "name": "get_time",
+            "description": "The current time in a time zone.",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string", "maxLength": 30}},
+                "required": ["zone"],
+                "additionalProperties": false
+            }
+        }}
+    ])
+}
+
+/// The call's arguments, parsed and checked against the tool's schema.
+fn checked_call(tools: &Value, call: &Value) -> (String, Value) {
+    assert_eq!(call["type"], "function", "{call}");
+    assert!(
+        call["id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("call_")),
+        "{call}"
+    );
+    let name = call["function"]["name"].as_str().unwrap().to_string();
+    let arguments: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap())
+        .unwrap_or_else(|e| panic!("{call}: arguments are not JSON: {e}"));
+    let tool = tools
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["function"]["name"] == name.as_str())
+        .unwrap_or_else(|| panic!("{name} is not an offered tool"));
+    let validator = jsonschema::validator_for(&tool["function"]["parameters"]).unwrap();
+    assert!(
+        validator.is_valid(&arguments),
+        "{arguments} fails {name}'s schema"
+    );
+    (name, arguments)
+}
+
+#[test]
+fn tool_calls_forced_named_streamed_and_answered() {
+    let server = Server::start(&smollm2(), CONFIG);
+    let tools = weather_tools();
+    let messages = json!([{"role": "user", "content": "What is the weather like in Paris?"}]);
+    let request = json!({
+        "messages": messages, "tools": tools, "tool_choice": "required",
+        "max_tokens": 80, "temperature": 0,
+    });
+    let (status, _, body) = server.post("/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{body}");
+    let choice = &body["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{body}");
+    assert!(choice["message"]["content"].is_null(), "{body}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{body}");
+    let (name, arguments) = checked_call(&tools, &calls[0]);
+
+    // Streamed: the deltas assemble (by index, as the SDKs do) into the same call.
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let chunks = chunks(&server.post_stream("/v1/chat/completions", &streamed));
+    let mut assembled: Vec<Value> = Vec::new();
+    for chunk in &chunks {
+        for delta in chunk["choices"][0]["delta"]["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let index = delta["index"].as_u64().unwrap() as usize;
+            if assembled.len() <= index {
+                assembled.push(json!({"id": delta["id"], "type": delta["type"],
+                    "function": {"name": "", "arguments": ""}}));
+            }
+            let function = &mut assembled[index]["function"];
+            if let Some(n) = delta["function"]["name"].as_str() {
+                function["name"] = json!(format!("{}{n}", function["name"].as_str().unwrap()));
+            }
+            if let Some(a) = delta["function"]["arguments"].as_str() {
+                function["arguments"] =
+                    json!(format!("{}{a}", function["arguments"].as_str().unwrap()));
+            }
+        }
+    }
+    assert_eq!(assembled.len(), 1, "{chunks:?}");
+    assert_eq!(
+        checked_call(&tools, &assembled[0]),
+        (name.clone(), arguments.clone())
+    );
+    let finish = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["finish_reason"].as_str())
+        .next_back();
+    assert_eq!(finish, Some("tool_calls"));
+    let leaked: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert!(
+        !leaked.contains("<tool_call>"),
+        "the call leaked as content: {leaked:?}"
+    );
+
+    // A named function is the one called.
+    let mut named = request.clone();
+    named["tool_choice"] = json!({"type": "function", "function": {"name": "get_time"}});
+    let (_, _, body) = server.post("/v1/chat/completions", &named);
+    let calls = body["choices"][0]["message"]["tool_calls"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(checked_call(&tools, &calls[0]).0, "get_time");
+
+    // The call and its result go back in, and the model answers in text.
+    let follow_up = json!({
+        "messages": [
+            messages[0],
+            {"role": "assistant", "content": null, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": name, "arguments": arguments.to_string()}
+            }]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "{\"temperature\": 21, \"sky\": \"clear\"}"}
+        ],
+        "tools": tools, "tool_choice": "none", "max_tokens": 30, "temperature": 0,
+    });
+    let (status, _, body) = server.post("/v1/chat/completions", &follow_up);
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body["choices"][0]["message"]["content"]
+            .as_str()
+            .is_some_and(|c| !c.is_empty()),
+        "{body}"
+    );
+    assert!(
+        body["choices"][0]["message"]["tool_calls"].is_null(),
+        "{body}"
+    );
+
+    // With "auto" the model may answer or call; either way the answer is well formed.
+    let mut auto = request.clone();
+    auto["tool_choice"] = json!("auto");
+    let (status, _, body) = server.post("/v1/chat/completions", &auto);
+    assert_eq!(status, 200, "{body}");
+    match body["choices"][0]["finish_reason"].as_str() {
+        Some("tool_calls") => {
+            for call in body["choices"][0]["message"]["tool_calls"]
+                .as_array()
+                .unwrap()
+            {
+                checked_call(&tools, call);
+            }
+        }
+        _ => assert!(
+            body["choices"][0]["message"]["content"].is_string(),
+            "{body}"
+        ),
+    }
+
+    let refused = [
+        (json!({"tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": tools, "tool_choice": "sometimes"}),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}),
+            "tools[0].type",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "bad name"}}]}),
+            "tools[0].function.name",
+        ),
+        (
+            json!({"tools": tools, "tool_choice": "required", "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+    ];
+    for (extra, param) in refused {
+        let mut body = json!({"messages": messages, "max_tokens": 4});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (status, _, answer) = server.post("/v1/chat/completions", &body);
+        assert_eq!(status, 400, "{body} -> {answer}");
+        assert_eq!(answer["error"]["param"], param, "{answer}");
+    }
+    let bad_history = json!({"messages": [
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+            "function": {"name": "get_time", "arguments": "{not json"}}]}
+    ]});
+    let (status, _, answer) = server.post("/v1/chat/completions", &bad_history);
+    assert_eq!(status, 400, "{answer}");
+    assert_eq!(
+        answer["error"]["param"],
+        "messages[0].tool_calls[0].function.arguments"
+    );
+    assert!(server.is_idle());
+}

@@ -13,11 +13,21 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
 
-/// One message of a conversation.
+/// One message of a conversation. The tool fields are left out of the template's view when
+/// unset, so `message.tool_calls is defined` reads as templates expect.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant's calls, as transformers passes them: `{"type": "function", "function":
+    /// {"name", "arguments"}}` with the arguments as an object.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// The call a `tool` message answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -25,6 +35,9 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
     }
 }
@@ -32,6 +45,8 @@ impl ChatMessage {
 /// A compiled chat template with the special tokens it may refer to.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The tool-call syntax the template renders, if it renders tools.
+    tool_format: Option<crate::tools::ToolFormat>,
     bos_token: String,
     eos_token: String,
 }
@@ -65,6 +80,7 @@ impl ChatTemplate {
             .map_err(|e| EngineError::ChatTemplate(describe(&e)))?;
         Ok(Self {
             env,
+            tool_format: crate::tools::ToolFormat::of_template(source),
             bos_token,
             eos_token,
         })
@@ -73,15 +89,37 @@ impl ChatTemplate {
     /// Renders `messages`; with `add_generation_prompt` the text ends where the assistant's
     /// reply begins.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render`] with the `tools` variable set, as transformers sets it: the
+    /// API's tool objects (`{"type": "function", "function": {...}}`).
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self.env.get_template("chat").expect("added in new");
+        let base = context! {
+            messages => minijinja::value::Serde(messages),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => &self.bos_token,
+            eos_token => &self.eos_token,
+        };
+        let ctx = match tools {
+            Some(tools) => context! { tools => minijinja::value::Serde(tools), ..base },
+            None => base,
+        };
         template
-            .render(context! {
-                messages => minijinja::value::Serde(messages),
-                add_generation_prompt => add_generation_prompt,
-                bos_token => &self.bos_token,
-                eos_token => &self.eos_token,
-            })
+            .render(ctx)
             .map_err(|e| EngineError::ChatTemplate(describe(&e)))
+    }
+
+    /// The tool-call syntax this template renders tools in; `None` when it renders none (the
+    /// server then describes tools in a system message of its own).
+    pub fn tool_format(&self) -> Option<crate::tools::ToolFormat> {
+        self.tool_format
     }
 }
 
@@ -155,5 +193,34 @@ mod tests {
     #[test]
     fn bad_template_is_an_error() {
         assert!(ChatTemplate::new("{% for %}", String::new(), String::new()).is_err());
+    }
+
+    #[test]
+    fn tools_and_tool_calls_reach_the_template_as_transformers_passes_them() {
+        let source = "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}\
+            {% for m in messages %}[{{ m.role }}]{% if m.tool_calls is defined %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}{% endif %}{% if m.tool_call_id is defined %}#{{ m.tool_call_id }}{% endif %}{{ m.content }}{% endfor %}";
+        let template = ChatTemplate::new(source, String::new(), String::new()).unwrap();
+        assert_eq!(
+            template.tool_format(),
+            Some(crate::tools::ToolFormat::Hermes)
+        );
+        let mut call = ChatMessage::new("assistant", "");
+        call.tool_calls = Some(vec![serde_json::json!({
+            "type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}
+        })]);
+        let mut result = ChatMessage::new("tool", "sunny");
+        result.tool_call_id = Some("c1".into());
+        let messages = [ChatMessage::new("user", "hi"), call, result];
+        let tools = [serde_json::json!({"type": "function", "function": {"name": "weather"}})];
+        let text = template
+            .render_with_tools(&messages, Some(&tools), false)
+            .unwrap();
+        assert_eq!(
+            text,
+            "<tools>weather;</tools>[user]hi[assistant]<tool_call>weather(Oslo)[tool]#c1sunny"
+        );
+        // Without tools the variable is undefined and plain messages show no tool fields.
+        let text = template.render(&messages[..1], false).unwrap();
+        assert_eq!(text, "[user]hi");
     }
 }

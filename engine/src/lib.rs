@@ -22,6 +22,7 @@ pub mod sampling;
 pub mod select;
 pub mod stop;
 pub mod tokenizer;
+pub mod tools;
 
 pub use dtype::DType;
 pub use error::{EngineError, Result};

@@ -13,8 +13,9 @@ use engine::EngineError;
 use engine::chat::ChatMessage;
 use engine::grammar::GrammarSpec;
 use engine::sampling::{MAX_TOP_LOGPROBS, SamplingParams};
+use engine::tools::{Tool, ToolCall, ToolFormat, tools_system_prompt};
 use serde::Deserialize;
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use super::Model;
 use super::error::ApiError;
@@ -107,6 +108,24 @@ pub struct ChatRequest {
     pub sampling: Sampling,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<usize>,
+    pub tools: Option<Vec<ToolDef>>,
+    /// `"none"`, `"auto"`, `"required"` or `{"type": "function", "function": {"name": ...}}`.
+    pub tool_choice: Option<Value>,
+}
+
+/// One entry of `tools`.
+#[derive(Debug, Deserialize)]
+pub struct ToolDef {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionDef,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct FunctionDef {
+    pub name: String,
+    pub description: Option<String>,
+    pub parameters: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -114,6 +133,24 @@ pub struct Message {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant's earlier calls.
+    pub tool_calls: Option<Vec<MessageToolCall>>,
+    /// The call a `tool` message answers.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct MessageToolCall {
+    pub id: Option<String>,
+    pub function: CalledFunction,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CalledFunction {
+    pub name: String,
+    /// A JSON string, as OpenAI sends it (an object is taken too).
+    pub arguments: Value,
 }
 
 /// A message's content: text, or a list of parts of which snapserve reads the text ones.
@@ -140,6 +177,15 @@ pub struct Prepared {
     pub include_usage: bool,
     /// The prompt's text, answered before the completion (`echo`).
     pub echo: Option<String>,
+    /// How to read tool calls back out of the reply, when tools may be called.
+    pub tools: Option<ToolUse>,
+}
+
+/// Tool calls to read out of a reply: the syntax and the functions that exist.
+#[derive(Debug, Clone)]
+pub struct ToolUse {
+    pub format: ToolFormat,
+    pub names: Vec<String>,
 }
 
 impl Sampling {
@@ -274,6 +320,7 @@ impl Sampling {
         max_tokens: Option<usize>,
         default_max: usize,
         logprobs: Option<usize>,
+        forced: Option<(GrammarSpec, &'static str)>,
     ) -> Result<Prepared, ApiError> {
         let limit = model.limit.tokens;
         if prompt.len() >= limit {
@@ -311,7 +358,16 @@ impl Sampling {
         }
         let mut params = self.params(max_tokens, self.logit_bias(model.vocab_size)?);
         params.logprobs = logprobs;
-        if let Some((spec, param)) = self.grammar()? {
+        let grammar = match (self.grammar()?, forced) {
+            (Some((_, param)), Some(_)) => {
+                return Err(ApiError::invalid_param(
+                    param,
+                    "a response format cannot be combined with a forced tool call",
+                ));
+            }
+            (own, forced) => own.or(forced),
+        };
+        if let Some((spec, param)) = grammar {
             let grammars = model.grammars.as_ref().map_err(|why| {
                 ApiError::invalid_param(
                     param,
@@ -338,6 +394,7 @@ impl Sampling {
                 .as_ref()
                 .is_some_and(|o| o.include_usage),
             echo: None,
+            tools: None,
         })
     }
 }
@@ -407,9 +464,9 @@ impl CompletionRequest {
             _ => None,
         };
         // OpenAI's default for completions.
-        let prepared = self
-            .sampling
-            .prepare(model, prompt, self.max_tokens, 16, self.logprobs)?;
+        let prepared =
+            self.sampling
+                .prepare(model, prompt, self.max_tokens, 16, self.logprobs, None)?;
         Ok(Prepared { echo, ..prepared })
     }
 }
@@ -443,22 +500,253 @@ impl ChatRequest {
         if self.messages.is_empty() {
             return Err(ApiError::invalid_param("messages", "no messages"));
         }
-        let mut messages = Vec::with_capacity(self.messages.len());
+        let tools = self.tools()?;
+        let choice = self.tool_choice(&tools)?;
+        // A template that renders no tools gets them in a system message, in Hermes syntax.
+        let format = template.tool_format().unwrap_or(ToolFormat::Hermes);
+        let own_prompt = template.tool_format().is_none();
+        let mut messages = Vec::with_capacity(self.messages.len() + 1);
         for (i, message) in self.messages.iter().enumerate() {
-            messages.push(ChatMessage::new(&message.role, &text_of(i, message)?));
+            messages.push(message_of(i, message, own_prompt.then_some(format))?);
         }
-        let rendered = template
-            .render(&messages, true)
-            .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+        let offered = !tools.is_empty() && choice != Choice::None;
+        let rendered = if offered && own_prompt {
+            let prompt = tools_system_prompt(&tools);
+            match messages.first_mut() {
+                Some(first) if first.role == "system" || first.role == "developer" => {
+                    first.content = format!("{}\n\n{prompt}", first.content);
+                }
+                _ => messages.insert(0, ChatMessage::new("system", &prompt)),
+            }
+            template.render(&messages, true)
+        } else if offered {
+            let objects: Vec<Value> = self
+                .tools
+                .iter()
+                .flatten()
+                .map(|t| {
+                    let mut function = json!({"name": t.function.name});
+                    if let Some(d) = &t.function.description {
+                        function["description"] = json!(d);
+                    }
+                    function["parameters"] = t
+                        .function
+                        .parameters
+                        .clone()
+                        .unwrap_or_else(|| json!({"type": "object", "properties": {}}));
+                    json!({"type": "function", "function": function})
+                })
+                .collect();
+            template.render_with_tools(&messages, Some(&objects), true)
+        } else {
+            template.render(&messages, true)
+        }
+        .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
         let prompt = model
             .tokenizer
             .encode_rendered(&rendered)
             .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+        let forced = match &choice {
+            Choice::Required | Choice::Named(_) => {
+                let only = match &choice {
+                    Choice::Named(name) => Some(name.as_str()),
+                    _ => None,
+                };
+                let mistral = model.tokenizer.token_to_id("[TOOL_CALLS]");
+                let lark = format
+                    .forced_call_grammar(&tools, only, mistral)
+                    .map_err(|e| ApiError::invalid_param("tool_choice", e))?;
+                Some((GrammarSpec::Lark(lark), "tool_choice"))
+            }
+            Choice::None | Choice::Auto => None,
+        };
         let max_tokens = self.max_completion_tokens.or(self.max_tokens);
         // Without a limit, a chat reply may use the rest of the context.
-        self.sampling
-            .prepare(model, prompt, max_tokens, model.limit.tokens, logprobs)
+        let prepared = self.sampling.prepare(
+            model,
+            prompt,
+            max_tokens,
+            model.limit.tokens,
+            logprobs,
+            forced,
+        )?;
+        let tools = offered.then(|| ToolUse {
+            format,
+            names: tools.iter().map(|t| t.name.clone()).collect(),
+        });
+        Ok(Prepared { tools, ..prepared })
     }
+
+    /// The `tools` list, checked.
+    fn tools(&self) -> Result<Vec<Tool>, ApiError> {
+        let mut tools = Vec::new();
+        for (i, def) in self.tools.iter().flatten().enumerate() {
+            if def.kind != "function" {
+                return Err(ApiError::invalid_param(
+                    &format!("tools[{i}].type"),
+                    format!("`{}` tools are not supported; only `function`", def.kind),
+                ));
+            }
+            let name = &def.function.name;
+            let valid = !name.is_empty()
+                && name.len() <= 64
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+            if !valid {
+                return Err(ApiError::invalid_param(
+                    &format!("tools[{i}].function.name"),
+                    format!("`{name}` is not a function name (a-z, A-Z, 0-9, _ and -, at most 64)"),
+                ));
+            }
+            if tools.iter().any(|t: &Tool| &t.name == name) {
+                return Err(ApiError::invalid_param(
+                    &format!("tools[{i}].function.name"),
+                    format!("`{name}` is named twice"),
+                ));
+            }
+            let parameters = def
+                .function
+                .parameters
+                .clone()
+                .unwrap_or_else(|| json!({"type": "object", "properties": {}}));
+            if !parameters.is_object() {
+                return Err(ApiError::invalid_param(
+                    &format!("tools[{i}].function.parameters"),
+                    "parameters are a JSON schema object",
+                ));
+            }
+            tools.push(Tool {
+                name: name.clone(),
+                description: def.function.description.clone(),
+                parameters,
+            });
+        }
+        Ok(tools)
+    }
+
+    fn tool_choice(&self, tools: &[Tool]) -> Result<Choice, ApiError> {
+        let param = "tool_choice";
+        let choice = match &self.tool_choice {
+            None | Some(Value::Null) => {
+                return Ok(if tools.is_empty() {
+                    Choice::None
+                } else {
+                    Choice::Auto
+                });
+            }
+            Some(Value::String(s)) if s == "none" => return Ok(Choice::None),
+            Some(Value::String(s)) if s == "auto" => Choice::Auto,
+            Some(Value::String(s)) if s == "required" => Choice::Required,
+            Some(Value::Object(o)) => {
+                let name = o
+                    .get("function")
+                    .and_then(|f| f.get("name"))
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| {
+                        ApiError::invalid_param(
+                            param,
+                            "a named tool choice is {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                        )
+                    })?;
+                if !tools.iter().any(|t| t.name == name) {
+                    return Err(ApiError::invalid_param(
+                        param,
+                        format!("`{name}` is not one of the request's tools"),
+                    ));
+                }
+                Choice::Named(name.to_string())
+            }
+            Some(other) => {
+                return Err(ApiError::invalid_param(
+                    param,
+                    format!("{other} is not a tool choice; use none, auto, required or a function"),
+                ));
+            }
+        };
+        if tools.is_empty() {
+            return Err(ApiError::invalid_param(param, "tool_choice needs `tools`"));
+        }
+        Ok(choice)
+    }
+}
+
+/// Whether and which tools the model may (or must) call.
+#[derive(Debug, Clone, PartialEq)]
+enum Choice {
+    None,
+    Auto,
+    Required,
+    Named(String),
+}
+
+/// A message for the template. `own_syntax` is set when the template knows no tools: an
+/// assistant's calls are then written into its content and a tool's result wrapped, as the
+/// server's own prompt describes.
+fn message_of(
+    index: usize,
+    message: &Message,
+    own_syntax: Option<ToolFormat>,
+) -> Result<ChatMessage, ApiError> {
+    let mut out = ChatMessage::new(&message.role, &text_of(index, message)?);
+    let calls = message.tool_calls.as_deref().unwrap_or_default();
+    if !calls.is_empty() && message.role != "assistant" {
+        return Err(ApiError::invalid_param(
+            &format!("messages[{index}].tool_calls"),
+            "only assistant messages carry tool calls",
+        ));
+    }
+    let mut parsed = Vec::with_capacity(calls.len());
+    for (c, call) in calls.iter().enumerate() {
+        let arguments = match &call.function.arguments {
+            Value::String(text) => serde_json::from_str(text).map_err(|e| {
+                ApiError::invalid_param(
+                    &format!("messages[{index}].tool_calls[{c}].function.arguments"),
+                    format!("arguments are a JSON object as a string: {e}"),
+                )
+            })?,
+            other => other.clone(),
+        };
+        parsed.push(ToolCall {
+            name: call.function.name.clone(),
+            arguments,
+        });
+    }
+    match own_syntax {
+        Some(format) => {
+            if !parsed.is_empty() {
+                let written = format.write_calls(&parsed);
+                out.content = if out.content.is_empty() {
+                    written
+                } else {
+                    format!("{}\n{written}", out.content)
+                };
+            }
+            if message.role == "tool" {
+                out.content = format!("<tool_response>\n{}\n</tool_response>", out.content);
+            }
+        }
+        None => {
+            if !parsed.is_empty() {
+                out.tool_calls = Some(
+                    calls
+                        .iter()
+                        .zip(&parsed)
+                        .map(|(call, p)| {
+                            json!({
+                                "id": call.id,
+                                "type": "function",
+                                "function": {"name": p.name, "arguments": p.arguments},
+                            })
+                        })
+                        .collect(),
+                );
+            }
+            out.tool_call_id = message.tool_call_id.clone();
+            out.name = message.name.clone();
+        }
+    }
+    Ok(out)
 }
 
 fn encode(model: &Model, text: &str) -> Result<Vec<u32>, ApiError> {

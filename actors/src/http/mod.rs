@@ -230,6 +230,7 @@ async fn respond(
         stream,
         include_usage,
         echo,
+        tools,
     } = prepared;
     let prompt_tokens = prompt.len();
     let stops = params.stop.clone();
@@ -241,7 +242,8 @@ async fn respond(
     crate::metrics::prompt_accepted(prompt_tokens);
     let output = Output::new(state.model.clone(), events, &stops, prompt_tokens, kind)
         .echoing(echo)
-        .with_logprobs(logprobs);
+        .with_logprobs(logprobs)
+        .reading_tools(tools);
     if stream {
         Ok(HttpResponse::Ok()
             .content_type("text/event-stream")

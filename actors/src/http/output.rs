@@ -18,6 +18,9 @@ use crate::error::ServeError;
 use crate::metrics;
 use crate::request::{Event, RequestStream};
 use engine::sampling::TokenLogprobs;
+use engine::tools::{CallStart, ParsedReply, ToolCall};
+
+use super::api::ToolUse;
 
 /// Which endpoint's shapes to answer in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +63,72 @@ pub struct Output {
     logprobs: Option<Vec<TokenLogprobs>>,
     /// Characters of text answered so far (`text_offset` of completions' logprobs).
     offset: usize,
+    /// Reads tool calls out of the reply, when the request offered tools.
+    tools: Option<ToolReader>,
+}
+
+/// Splits a streamed reply into content, answered as it comes, and tool calls, held from
+/// where one may start until the end, then read whole.
+struct ToolReader {
+    tools: ToolUse,
+    held: String,
+    /// A call has started: everything from `held`'s start is the calls' text.
+    calling: bool,
+}
+
+impl ToolReader {
+    /// The part of `text` that is surely content.
+    fn push(&mut self, text: &str) -> String {
+        self.held.push_str(text);
+        if self.calling {
+            return String::new();
+        }
+        let content_end = match self.tools.format.call_start(&self.held) {
+            CallStart::At(at) => {
+                self.calling = true;
+                at
+            }
+            CallStart::Maybe(at) => at,
+            CallStart::No => self.held.len(),
+        };
+        let rest = self.held.split_off(content_end);
+        std::mem::replace(&mut self.held, rest)
+    }
+
+    /// The rest of the content, and the calls, at the end of the reply.
+    fn finish(&mut self) -> (String, Vec<ToolCall>) {
+        let held = std::mem::take(&mut self.held);
+        match self
+            .calling
+            .then(|| read_calls(&self.tools, &held))
+            .flatten()
+        {
+            Some(parsed) => (parsed.content, parsed.calls),
+            None => (held, Vec::new()),
+        }
+    }
+}
+
+/// The calls in a whole reply, if it makes any and every one names an offered function.
+fn read_calls(tools: &ToolUse, text: &str) -> Option<ParsedReply> {
+    tools
+        .format
+        .parse(text)
+        .filter(|p| p.calls.iter().all(|c| tools.names.contains(&c.name)))
+}
+
+/// OpenAI's `tool_calls` entries, each with a fresh id.
+fn calls_json(calls: &[ToolCall]) -> Vec<Value> {
+    calls
+        .iter()
+        .map(|c| {
+            json!({
+                "id": format!("call_{:016x}", rand::random::<u64>()),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments.to_string()},
+            })
+        })
+        .collect()
 }
 
 impl Output {
@@ -89,6 +158,24 @@ impl Output {
             echo: None,
             logprobs: None,
             offset: 0,
+            tools: None,
+        }
+    }
+
+    /// Reads tool calls out of the reply in `tools`' syntax. Special tokens are then kept in
+    /// the text (Mistral's `[TOOL_CALLS]` is one), except the end-of-sequence ones.
+    pub fn reading_tools(self, tools: Option<ToolUse>) -> Self {
+        match tools {
+            None => self,
+            Some(tools) => Output {
+                text: TextStream::new(false),
+                tools: Some(ToolReader {
+                    tools,
+                    held: String::new(),
+                    calling: false,
+                }),
+                ..self
+            },
         }
     }
 
@@ -127,6 +214,9 @@ impl Output {
                     match self.last_token.replace(now) {
                         None => metrics::time_to_first_token((now - self.submitted).as_secs_f64()),
                         Some(last) => metrics::inter_token((now - last).as_secs_f64()),
+                    }
+                    if self.tools.is_some() && self.model.eos_token_ids.contains(&token) {
+                        continue;
                     }
                     let text = match self.text.push(&self.model.tokenizer, token) {
                         Ok(text) => text,
@@ -284,16 +374,30 @@ impl Output {
                 Some(End::Failed(error)) => return Err(error),
                 Some(End::Finished { reason, usage }) => {
                     let logprobs = self.logprobs_json(&scored);
-                    let choice = match self.kind {
-                        Kind::Completion => json!({
+                    let called = self
+                        .tools
+                        .as_ref()
+                        .and_then(|t| read_calls(&t.tools, &text));
+                    let choice = match (self.kind, called) {
+                        (Kind::Completion, _) => json!({
                             "index": 0, "text": text, "logprobs": logprobs,
                             "finish_reason": reason,
                         }),
-                        Kind::Chat => json!({
+                        (Kind::Chat, None) => json!({
                             "index": 0,
                             "message": {"role": "assistant", "content": text},
                             "logprobs": logprobs,
                             "finish_reason": reason,
+                        }),
+                        (Kind::Chat, Some(parsed)) => json!({
+                            "index": 0,
+                            "message": {
+                                "role": "assistant",
+                                "content": (!parsed.content.is_empty()).then_some(parsed.content),
+                                "tool_calls": calls_json(&parsed.calls),
+                            },
+                            "logprobs": logprobs,
+                            "finish_reason": "tool_calls",
                         }),
                     };
                     let object = match self.kind {
@@ -341,6 +445,18 @@ impl Output {
         self.envelope(self.chunk_object(), json!([choice]))
     }
 
+    /// A chunk carrying one whole tool call, in the delta shape the SDKs assemble.
+    fn tool_call_chunk(&self, index: usize, mut call: Value) -> Value {
+        call["index"] = json!(index);
+        let choice = json!([{
+            "index": 0,
+            "delta": {"tool_calls": [call]},
+            "logprobs": null,
+            "finish_reason": null,
+        }]);
+        self.envelope(self.chunk_object(), choice)
+    }
+
     fn chunk_object(&self) -> &'static str {
         match self.kind {
             Kind::Completion => "text_completion",
@@ -374,13 +490,33 @@ impl Output {
             }
             let piece = output.next().await;
             let mut bytes = String::new();
-            if !piece.text.is_empty() || !piece.logprobs.is_empty() {
-                bytes += &sse(&output.chunk(Some(&piece.text), &piece.logprobs, None));
+            let mut text = match &mut output.tools {
+                Some(reader) => reader.push(&piece.text),
+                None => piece.text,
+            };
+            let mut calls = Vec::new();
+            if piece.end.is_some()
+                && let Some(reader) = &mut output.tools
+            {
+                let (rest, called) = reader.finish();
+                text += &rest;
+                calls = called;
+            }
+            if !text.is_empty() || !piece.logprobs.is_empty() {
+                bytes += &sse(&output.chunk(Some(&text), &piece.logprobs, None));
+            }
+            for (index, call) in calls_json(&calls).into_iter().enumerate() {
+                bytes += &sse(&output.tool_call_chunk(index, call));
             }
             let finished = piece.end.is_some();
             match piece.end {
                 None => {}
                 Some(End::Finished { reason, usage }) => {
+                    let reason = if calls.is_empty() {
+                        reason
+                    } else {
+                        "tool_calls"
+                    };
                     bytes += &sse(&output.chunk(None, &[], Some(reason)));
                     if include_usage {
                         let mut chunk = output.envelope(output.chunk_object(), json!([]));
