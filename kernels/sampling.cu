@@ -183,15 +183,23 @@ __device__ u32 draw(const float* w, u32 vocab, double uniform, double* ds, u32* 
     return us[0];
 }
 
-// grid: one block per sampled row; `logits` row i is sampled with params row i.
+// grid: one block per sampled row; `logits` row i is sampled with params row i. `mask`, when
+// not null, holds a bitmask of ceil(vocab / 32) words per row (bit t of word t / 32 set: token
+// t may come next, a grammar's verdict); other tokens' logits become -inf first.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(float* __restrict__ logits, u32 vocab, const u32* __restrict__ params,
-                u32* __restrict__ tokens) {
+                u32* __restrict__ tokens, const u32* __restrict__ mask) {
     pdl_begin();
     __shared__ float fs[32];
     __shared__ u32 us[SAMPLE_THREADS];
     __shared__ double ds[SAMPLE_THREADS];
     float* row = logits + (u64)blockIdx.x * vocab;
+    if (mask != nullptr) {
+        const u32* allowed = mask + (u64)blockIdx.x * ((vocab + 31) / 32);
+        for (u32 i = threadIdx.x; i < vocab; i += blockDim.x)
+            if (!((allowed[i >> 5] >> (i & 31)) & 1u)) row[i] = NEG_INF;
+        __syncthreads();
+    }
     const u32* p = params + blockIdx.x * SAMPLE_PARAM_WORDS;
     float temperature = __uint_as_float(p[0]), top_p = __uint_as_float(p[2]);
     float min_p = __uint_as_float(p[3]);

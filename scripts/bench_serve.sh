@@ -8,11 +8,13 @@
 #   (d) a 32,000-token prompt at one in flight: cold, repeated, then repeated with 32 new
 #       tokens per request;
 #   (e) (b) again with saves off (save_prompts = false) and with every prompt saved
-#       (save_after_sightings = 1): what saving costs on prompts that never repeat.
+#       (save_after_sightings = 1): what saving costs on prompts that never repeat;
+#   (f) what agents' features cost (issue 12): 128 / 128, 512 requests, 64 in flight, plain,
+#       with `response_format` json_object, and with logprobs (top 5).
 #
 # $SNAPSERVE names a prebuilt binary (else cargo builds one); $SERVE_ARGS the model (default:
 # the Llama-3.1-8B shape with random weights and $TOKENIZER's tokenizer, default the embedded
-# SmolLM2's); $CONFIG the deployment file; $SCENARIOS which to run (default "a b c d e").
+# SmolLM2's); $CONFIG the deployment file; $SCENARIOS which to run (default "a b c d e f").
 # Writes each server's log and each table under $OUT (default .).
 #
 #     [SNAPSERVE=path] [TOKENIZER=dir] [SERVE_ARGS="--model dir"] scripts/bench_serve.sh
@@ -26,7 +28,7 @@ fi
 config=${CONFIG:-configs/gpu.toml}
 out=${OUT:-.}
 port=${PORT:-8079}
-scenarios=${SCENARIOS:-a b c d e}
+scenarios=${SCENARIOS:-a b c d e f}
 tokenizer_args=()
 [ -n "${TOKENIZER:-}" ] && tokenizer_args=(--tokenizer "$TOKENIZER")
 default_model="--random-weights --model-config scripts/shapes/llama-3.1-8b.json ${tokenizer_args[*]}"
@@ -109,6 +111,17 @@ for scenario in $scenarios; do
         serve e-every "$(with save_after_sightings 1)"
         load "e-every-prompt-saved" "${new_1024[@]}"
         stop e-every
+        ;;
+    f)
+        serve f "$config"
+        short=(--prefix-tokens 128 --prefixes 0 --max-tokens 128 --requests 512 --concurrency 64)
+        # A seed each, so that no run restores another's prompts.
+        load "f-plain" "${short[@]}" --seed 1
+        load "f-json-object" "${short[@]}" --seed 2 \
+            --extra-body '{"response_format": {"type": "json_object"}}'
+        load "f-logprobs" "${short[@]}" --seed 3 --extra-body '{"logprobs": 5}'
+        load "f-plain-again" "${short[@]}" --seed 4
+        stop f
         ;;
     esac
 done

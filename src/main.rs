@@ -240,6 +240,11 @@ struct LoadtestArgs {
     #[arg(long, default_value_t = 0)]
     long_prompt_words: usize,
 
+    /// A JSON object whose fields are added to every request, e.g.
+    /// '{"response_format": {"type": "json_object"}}'.
+    #[arg(long)]
+    extra_body: Option<String>,
+
     /// After the load, wait for the server's queue, running requests and used KV pages to
     /// reach zero (up to a minute) and report them; fail if they do not.
     #[arg(long)]
@@ -522,7 +527,16 @@ fn loadtest(args: LoadtestArgs) -> Result<()> {
         print!("{table}");
         return Ok(());
     }
+    let extra = match &args.extra_body {
+        None => serde_json::Map::new(),
+        Some(text) => match serde_json::from_str(text) {
+            Ok(serde_json::Value::Object(fields)) => fields,
+            Ok(other) => anyhow::bail!("--extra-body must be a JSON object, got {other}"),
+            Err(e) => anyhow::bail!("--extra-body is not JSON: {e}"),
+        },
+    };
     let spec = actors::loadtest::LoadSpec {
+        extra,
         prefix_words: args.prefix_tokens.unwrap_or(args.prefix_words),
         prefixes: args.prefixes,
         suffix_words: match args.prefix_tokens {

@@ -60,6 +60,8 @@ pub struct LoadSpec {
     pub long_prompt_words: usize,
     /// After the load, wait (up to a minute) for the server to be idle and report it.
     pub check_idle: bool,
+    /// Fields added to every request (`response_format`, say), over the defaults.
+    pub extra: serde_json::Map<String, Value>,
 }
 
 impl LoadSpec {
@@ -80,6 +82,7 @@ impl LoadSpec {
             disconnect_fraction: 0.0,
             long_prompt_words: 0,
             check_idle: false,
+            extra: serde_json::Map::new(),
         }
     }
 }
@@ -304,6 +307,9 @@ fn one(agent: &ureq::Agent, spec: &LoadSpec, index: usize) -> Sample {
     // The API refuses stream_options on an answer that is not streamed, as OpenAI's does.
     if stream {
         body["stream_options"] = json!({"include_usage": true});
+    }
+    for (key, value) in &spec.extra {
+        body[key] = value.clone();
     }
     send(agent, &spec.url, &body, plan)
 }

@@ -257,6 +257,15 @@ impl TokenConstraint for Grammar {
         Ok(())
     }
 
+    fn mask_words(&mut self) -> std::result::Result<Option<&[u32]>, String> {
+        self.prepare()?;
+        Ok(self.mask.as_ref().map(SimpleVob::as_slice))
+    }
+
+    fn has_mask_words(&self) -> bool {
+        true
+    }
+
     fn commit(&mut self, token: u32) -> std::result::Result<(), String> {
         self.mask = None;
         // The end-of-sequence token that ends a complete match is not part of it.

@@ -249,6 +249,16 @@ pub trait TokenConstraint: Send + std::fmt::Debug {
     fn mask(&mut self, logits: &mut [f32]) -> std::result::Result<(), String>;
     /// Advances past the picked token.
     fn commit(&mut self, token: u32) -> std::result::Result<(), String>;
+    /// The allowed set as a bitmask (bit `t % 32` of word `t / 32` set: token `t` may come
+    /// next), for a backend that masks on its device; `None` when this constraint cannot
+    /// say it so (the host then masks the logits itself).
+    fn mask_words(&mut self) -> std::result::Result<Option<&[u32]>, String> {
+        Ok(None)
+    }
+    /// Whether [`TokenConstraint::mask_words`] answers with a bitmask.
+    fn has_mask_words(&self) -> bool {
+        false
+    }
 }
 
 /// Picks one request's tokens: its parameters, its RNG and the history its penalties read.
@@ -304,7 +314,8 @@ impl Sampler {
     }
 
     /// Whether only the host can pick this sampler's tokens: penalties and biases need its
-    /// history and maps, logprobs and grammars the whole row of logits.
+    /// history and maps, logprobs the whole row of logits, and so do grammars that give no
+    /// bitmask (those that do are masked on the device: [`Sampler::device_mask`]).
     pub fn needs_host(&self) -> bool {
         let p = &self.params;
         p.repetition_penalty != 1.0
@@ -312,7 +323,43 @@ impl Sampler {
             || p.frequency_penalty != 0.0
             || !p.logit_bias.is_empty()
             || p.logprobs.is_some()
-            || self.constraint.is_some()
+            || self
+                .constraint
+                .as_ref()
+                .is_some_and(|c| !c.has_mask_words())
+    }
+
+    /// The bitmask of the tokens the grammar allows next, for a device that applies it before
+    /// its own pick; the pick then goes to [`Sampler::commit_device_pick`]. `None` without a
+    /// grammar, or once it failed (the request is ending).
+    pub fn device_mask(&mut self) -> Option<&[u32]> {
+        self.prepare();
+        if self.failure.is_some() {
+            return None;
+        }
+        let words = match self.constraint.as_mut()?.mask_words() {
+            Ok(words) => words?,
+            Err(e) => {
+                self.failure = Some(e);
+                return None;
+            }
+        };
+        if words.iter().all(|&w| w == 0) {
+            self.failure = Some("the grammar allows no token here".into());
+            return None;
+        }
+        // Reborrowed: the checks above needed the sampler mutably.
+        self.constraint.as_mut()?.mask_words().ok().flatten()
+    }
+
+    /// Tells the grammar the token the device picked under [`Sampler::device_mask`].
+    pub fn commit_device_pick(&mut self, token: u32) {
+        if let Some(constraint) = &mut self.constraint
+            && self.failure.is_none()
+            && let Err(e) = constraint.commit(token)
+        {
+            self.failure = Some(e);
+        }
     }
 
     /// Lets the constraint work out the next step's mask now (overlapping the device's work).
@@ -474,9 +521,14 @@ fn scores(logits: &[f32], top: usize) -> (f32, Vec<(u32, f32)>) {
         return (0.0, Vec::new());
     }
     let max = max.min(f32::MAX);
+    // f32 exponentials (twice as fast as f64's), summed in f32 a short run at a time and in
+    // f64 across runs, so a 150k vocabulary loses no precision to the sum.
     let sum: f64 = logits
-        .iter()
-        .map(|&l| f64::from(l.min(f32::MAX) - max).exp())
+        .chunks(64)
+        .map(|run| {
+            let run: f32 = run.iter().map(|&l| (l.min(f32::MAX) - max).exp()).sum();
+            f64::from(run)
+        })
         .sum();
     let normaliser = max + sum.ln() as f32;
     let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);

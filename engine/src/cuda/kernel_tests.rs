@@ -930,6 +930,7 @@ fn sampling_matches_the_reference_rule() {
             vocab,
             params_d.ptr(),
             tokens.ptr(),
+            DPtr::NULL,
             rows.len(),
         )
         .unwrap();
@@ -1107,4 +1108,67 @@ fn random_weights_are_a_pure_function_of_the_seed() {
         .count();
     assert_eq!(off, 0, "every value within one bf16 step of the reference");
     assert!(got.iter().all(|v| (-0.5..=0.25).contains(v)));
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn sampling_picks_only_what_the_mask_allows() {
+    let g = gpu(64);
+    let vocab: usize = 49_152 + 7; // a last word only partly used
+    let words = vocab.div_ceil(32);
+    let mut r = rng(11);
+    let rows = [
+        params(0.0, 0, 1.0, 0.0, 0.0),
+        params(1.0, 0, 1.0, 0.0, 0.37),
+        params(0.8, 40, 0.9, 0.0, 0.73),
+        params(0.0, 0, 1.0, 0.0, 0.0),
+    ];
+    let logits = uniform(&mut r, rows.len() * vocab, 8.0);
+    // Row 0 and 1 allow every third token, row 2 only the last token of the vocabulary,
+    // row 3 everything (all bits set).
+    let mut mask = vec![0u32; rows.len() * words];
+    for t in (0..vocab).step_by(3) {
+        for row in 0..2 {
+            mask[row * words + t / 32] |= 1 << (t % 32);
+        }
+    }
+    mask[2 * words + (vocab - 1) / 32] |= 1 << ((vocab - 1) % 32);
+    mask[3 * words..].fill(u32::MAX);
+    let flat: Vec<u32> = rows.iter().flatten().copied().collect();
+    let (logits_d, params_d, mask_d) = (g.upload(&logits), g.upload(&flat), g.upload(&mask));
+    let tokens = g.poisoned(rows.len() * 4);
+    g.kernels
+        .sample_rows(
+            logits_d.ptr(),
+            vocab,
+            params_d.ptr(),
+            tokens.ptr(),
+            mask_d.ptr(),
+            rows.len(),
+        )
+        .unwrap();
+    let got = g.download(tokens.ptr::<u32>(), rows.len());
+    let masked = |row: usize| -> Vec<f32> {
+        (0..vocab)
+            .map(|t| {
+                let allowed = mask[row * words + t / 32] >> (t % 32) & 1 == 1;
+                if allowed {
+                    logits[row * vocab + t]
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect()
+    };
+    let want: Vec<u32> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, p)| reference_sample(&masked(i), p))
+        .collect();
+    assert_eq!(got, want);
+    assert!(
+        got[0].is_multiple_of(3) && got[1].is_multiple_of(3),
+        "{got:?}"
+    );
+    assert_eq!(got[2] as usize, vocab - 1);
 }

@@ -458,20 +458,23 @@ impl Kernels {
     }
 
     /// Picks a token for each of `rows` rows of `vocab` logits (overwritten), with the
-    /// parameters at `params` (`SAMPLE_PARAM_WORDS` words a row).
+    /// parameters at `params` (`SAMPLE_PARAM_WORDS` words a row), among the tokens `mask`
+    /// allows (`vocab.div_ceil(32)` bitmask words a row; [`DPtr::NULL`]: all).
     pub fn sample_rows(
         &self,
         logits: DPtr<f32>,
         vocab: usize,
         params: DPtr<u32>,
         tokens: DPtr<u32>,
+        mask: DPtr<u32>,
         rows: usize,
     ) -> Result<()> {
         let args = Args::new()
             .ptr(logits)
             .u32(vocab as u32)
             .ptr(params)
-            .ptr(tokens);
+            .ptr(tokens)
+            .ptr(mask);
         self.device.launch(
             &self.sample_rows,
             (rows as u32, 1, 1),

@@ -47,13 +47,14 @@ use crate::backend::{Backend, BackendInfo, MemoryReport, StepOutput, StepPlan};
 use crate::error::{EngineError, Result};
 use crate::model::{ModelConfig, ModelFiles, Weights};
 use crate::sampling::Sampler;
-use device::Device;
+use device::{DPtr, Device, DeviceBuffer};
 use forward::{AttentionMode, Forward, Workspace, WorkspaceSizes};
 use gemm::Gemm;
 use graphs::DecodeGraphs;
 use kernels::{AttnShape, Kernels};
 use memory::{MemoryPlan, PlanInputs};
 use pool::KvPool;
+use rayon::prelude::*;
 use snapshots::{ArenaSizes, Backings, PoolPages};
 use step_meta::{LogitSelection, MetaCapacity, PackRequest, StepLayout, StepMeta};
 use weights::{GpuWeights, WeightLayout};
@@ -161,6 +162,11 @@ pub struct CudaBackend {
     last_replay: Option<graphs::Replay>,
     /// Kernels the last sampled step launched, where all were counted.
     last_step_kernels: Option<usize>,
+    /// The rows of logits a step's host-sampled rows are picked from, kept between steps.
+    host_logits: Vec<f32>,
+    /// Grammars' bitmasks of a step, a row each, and the device buffer they go to.
+    host_masks: Vec<u32>,
+    masks: Option<DeviceBuffer>,
     backings: Backings,
     meta: StepMeta,
     ws: Workspace,
@@ -242,6 +248,9 @@ impl CudaBackend {
             graphs: options.cuda_graphs.then(DecodeGraphs::default),
             last_replay: None,
             last_step_kernels: None,
+            host_logits: Vec::new(),
+            host_masks: Vec::new(),
+            masks: None,
             backings: Backings::new(
                 &device,
                 ArenaSizes {
@@ -616,6 +625,39 @@ impl Drop for CudaBackend {
 }
 
 impl CudaBackend {
+    /// Queues the upload of the step's grammar bitmasks (every word set for rows without one)
+    /// when any device-sampled row has a grammar; says which rows do.
+    fn upload_masks(&mut self, samplers: &mut [Option<&mut Sampler>]) -> Result<Vec<bool>> {
+        let words = self.config.vocab_size.div_ceil(32);
+        let mut masked = vec![false; samplers.len()];
+        let mut any = false;
+        self.host_masks.clear();
+        for (r, sampler) in samplers.iter_mut().enumerate() {
+            let device_mask = sampler
+                .as_mut()
+                .filter(|s| !s.needs_host())
+                .and_then(|s| s.device_mask());
+            let start = self.host_masks.len();
+            if let Some(mask) = device_mask {
+                self.host_masks
+                    .extend_from_slice(&mask[..mask.len().min(words)]);
+                masked[r] = true;
+                any = true;
+            }
+            self.host_masks.resize(start + words, u32::MAX);
+        }
+        if !any {
+            return Ok(masked);
+        }
+        let bytes = self.host_masks.len() * 4;
+        if self.masks.as_ref().is_none_or(|b| b.bytes() < bytes) {
+            self.masks = Some(DeviceBuffer::alloc(&self.device, bytes, "grammar masks")?);
+        }
+        let buffer = self.masks.as_ref().expect("allocated above");
+        self.device.upload(&self.host_masks, buffer.ptr())?;
+        Ok(masked)
+    }
+
     /// One step whose rows' next tokens are picked on the device where their samplers allow,
     /// from the downloaded logits where they do not.
     fn sample_step(
@@ -642,25 +684,44 @@ impl CudaBackend {
         if !projected {
             self.forward().logits(0, rows)?;
         }
-        // The device computes the logits meanwhile: grammars work out their masks now.
-        for sampler in samplers.iter_mut().flatten() {
-            sampler.prepare();
-        }
-        let mut host_logits = vec![0f32; self.config.vocab_size];
+        // The device computes the logits meanwhile: grammars work out their masks now, one
+        // row per core.
+        samplers
+            .par_iter_mut()
+            .flatten()
+            .for_each(|sampler| sampler.prepare());
+        let vocab = self.config.vocab_size;
+        let host_rows = samplers
+            .iter()
+            .rposition(|s| s.as_ref().is_some_and(|s| s.needs_host()))
+            .map_or(0, |last| last + 1);
         let mut host_picks = Vec::new();
-        for (r, sampler) in samplers.iter_mut().enumerate() {
-            if let Some(s) = sampler.as_mut().filter(|s| s.needs_host()) {
-                let vocab = self.config.vocab_size;
-                self.device
-                    .download(self.ws.logits.offset(r * vocab), &mut host_logits)?;
-                host_picks.push((r, s.sample(&mut host_logits)));
-            }
+        if host_rows > 0 {
+            // One download for every host row's logits, then one row per core.
+            self.host_logits.resize(host_rows * vocab, 0.0);
+            self.device
+                .download(self.ws.logits, &mut self.host_logits[..host_rows * vocab])?;
+            host_picks = samplers[..host_rows]
+                .par_iter_mut()
+                .zip(self.host_logits.par_chunks_mut(vocab))
+                .enumerate()
+                .filter_map(|(r, (sampler, logits))| {
+                    let sampler = sampler.as_mut().filter(|s| s.needs_host())?;
+                    Some((r, sampler.sample(logits)))
+                })
+                .collect();
         }
+        let masked = self.upload_masks(samplers)?;
+        let mask = match (&self.masks, masked.iter().any(|&m| m)) {
+            (Some(buffer), true) => buffer.ptr(),
+            _ => DPtr::NULL,
+        };
         self.kernels.sample_rows(
             self.ws.logits,
             self.config.vocab_size,
             self.meta.buffers().sample_params,
             self.ws.sampled,
+            mask,
             rows,
         )?;
         // cuBLAS's kernels are counted only inside a graph.
@@ -671,6 +732,16 @@ impl CudaBackend {
         let mut picked = vec![0u32; rows];
         self.device.download(self.ws.sampled, &mut picked)?;
         host_picks.into_iter().for_each(|(r, t)| picked[r] = t);
+        for ((sampler, &token), _) in samplers
+            .iter_mut()
+            .zip(&picked)
+            .zip(&masked)
+            .filter(|(_, m)| **m)
+        {
+            if let Some(sampler) = sampler {
+                sampler.commit_device_pick(token);
+            }
+        }
         Ok(samplers
             .iter()
             .zip(picked)
