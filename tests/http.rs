@@ -181,7 +181,7 @@ fn bad_requests_get_clear_errors_and_a_full_queue_gets_429() {
         ),
         (json!({"prompt": ""}), 400, "empty"),
         (json!({"prompt": [1, 2, 999999]}), 400, "vocabulary"),
-        (json!({"prompt": "hi", "logprobs": 2}), 400, "logprobs"),
+        (json!({"prompt": "hi", "logprobs": 21}), 400, "at most 20"),
         (json!({"prompt": 5}), 400, "list of token ids"),
     ];
     for (body, status, needle) in cases {
