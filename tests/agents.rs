@@ -19,6 +19,19 @@ fn chunks(events: &[String]) -> Vec<Value> {
         .collect()
 }
 
+/// Each chat request (`messages` plus the fields of `extra`) is a 400 naming `param`.
+fn assert_chat_refused(server: &Server, messages: &Value, cases: &[(Value, &str)]) {
+    for (extra, param) in cases {
+        let mut body = json!({"messages": messages, "max_tokens": 4});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (status, _, answer) = server.post("/v1/chat/completions", &body);
+        assert_eq!(status, 400, "{body} -> {answer}");
+        assert_eq!(answer["error"]["param"], *param, "{answer}");
+    }
+}
+
 fn assert_probability(logprob: &Value) -> f64 {
     let lp = logprob
         .as_f64()
@@ -241,15 +254,7 @@ fn structured_outputs_parse_and_validate_whole_and_streamed() {
             "response_format",
         ),
     ];
-    for (extra, param) in refused {
-        let mut body = json!({"messages": messages, "max_tokens": 4});
-        body.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        let (status, _, answer) = server.post("/v1/chat/completions", &body);
-        assert_eq!(status, 400, "{body} -> {answer}");
-        assert_eq!(answer["error"]["param"], param, "{answer}");
-    }
+    assert_chat_refused(&server, &messages, &refused);
     assert!(server.is_idle());
 }
 
@@ -448,15 +453,7 @@ fn tool_calls_forced_named_streamed_and_answered() {
             "response_format",
         ),
     ];
-    for (extra, param) in refused {
-        let mut body = json!({"messages": messages, "max_tokens": 4});
-        body.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        let (status, _, answer) = server.post("/v1/chat/completions", &body);
-        assert_eq!(status, 400, "{body} -> {answer}");
-        assert_eq!(answer["error"]["param"], param, "{answer}");
-    }
+    assert_chat_refused(&server, &messages, &refused);
     let bad_history = json!({"messages": [
         {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
             "function": {"name": "get_time", "arguments": "{not json"}}]}

@@ -175,17 +175,16 @@ fn compact(mut schema: Value, lenient: bool) -> Value {
     if let Value::Object(map) = &mut schema
         && !map.contains_key("x-guidance")
     {
-        map.insert(
-            "x-guidance".into(),
-            json!({
-                "whitespace_flexible": false,
-                "item_separator": ", ",
-                "key_separator": ": ",
-                "lenient": lenient,
-            }),
-        );
+        let mut layout = json_layout();
+        layout["lenient"] = json!(lenient);
+        map.insert("x-guidance".into(), layout);
     }
     schema
+}
+
+/// llguidance's `x-guidance` options for JSON laid out as `json.dumps` does.
+pub fn json_layout() -> Value {
+    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
 }
 
 /// One request's grammar, as its sampler's [`TokenConstraint`].

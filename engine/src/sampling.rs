@@ -426,8 +426,8 @@ impl Sampler {
         draw(&self.candidates, uniform).unwrap_or_else(|| argmax(logits))
     }
 
-    /// Masks what the grammar forbids. A grammar that fails, or forbids everything, leaves the
-    /// logits as they are and records why: the request ends with that error after this pick.
+    /// Masks what the grammar forbids. A grammar that fails, or forbids everything, records
+    /// why: the request ends with that error, and this pick is never delivered.
     fn apply_constraint(&mut self, logits: &mut [f32]) {
         let Some(constraint) = &mut self.constraint else {
             return;
@@ -435,17 +435,10 @@ impl Sampler {
         if self.failure.is_some() {
             return;
         }
-        let before = logits.to_vec();
         match constraint.mask(logits) {
             Ok(()) if logits.iter().any(|&l| l > f32::NEG_INFINITY) => {}
-            Ok(()) => {
-                logits.copy_from_slice(&before);
-                self.failure = Some("the grammar allows no token here".into());
-            }
-            Err(e) => {
-                logits.copy_from_slice(&before);
-                self.failure = Some(e);
-            }
+            Ok(()) => self.failure = Some("the grammar allows no token here".into()),
+            Err(e) => self.failure = Some(e),
         }
     }
 

@@ -14,6 +14,8 @@
 
 use serde_json::{Value, json};
 
+use crate::grammar::json_layout;
+
 /// A function the model may call, as the API's `tools` list describes it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tool {
@@ -204,7 +206,7 @@ impl ToolFormat {
         }
         let call = json!({
             "anyOf": choices,
-            "x-guidance": {"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "},
+            "x-guidance": json_layout(),
         });
         Ok(match self {
             ToolFormat::Hermes => {
@@ -218,7 +220,7 @@ impl ToolFormat {
                     .ok_or("the tokenizer has no [TOOL_CALLS] token".to_string())?;
                 let list = json!({
                     "type": "array", "items": call, "minItems": 1, "maxItems": 1,
-                    "x-guidance": {"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "},
+                    "x-guidance": json_layout(),
                 });
                 format!("start: <[{token}]> calls\ncalls: %json {list}\n")
             }
