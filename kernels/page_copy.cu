@@ -29,3 +29,16 @@ extern "C" __global__ void scatter_pages(const uint4* __restrict__ snapshot, uin
     uint4* dst = pool + ((u64)block * pages_total + pool_page) * page_words;
     for (u32 i = threadIdx.x; i < page_words; i += blockDim.x) dst[i] = src[i];
 }
+
+// Copies whole pool pages to other pool pages: `copies` holds (from, to) pairs, no page both a
+// source and a target. How a request's other choices take the prompt's KV from the first one.
+// grid: (copies, 2 · layers).
+extern "C" __global__ void clone_pages(uint4* __restrict__ pool, const u32* __restrict__ copies,
+                                       u32 pages_total, u32 page_words) {
+    pdl_begin();
+    u32 from = copies[2 * blockIdx.x], to = copies[2 * blockIdx.x + 1];
+    u64 block = (u64)blockIdx.y * pages_total;
+    const uint4* src = pool + (block + from) * page_words;
+    uint4* dst = pool + (block + to) * page_words;
+    for (u32 i = threadIdx.x; i < page_words; i += blockDim.x) dst[i] = src[i];
+}

@@ -10,11 +10,14 @@
 #   (e) (b) again with saves off (save_prompts = false) and with every prompt saved
 #       (save_after_sightings = 1): what saving costs on prompts that never repeat;
 #   (f) what agents' features cost (issue 12): 128 / 128, 512 requests, 64 in flight, plain,
-#       with `response_format` json_object, and with logprobs (top 5).
+#       with `response_format` json_object, and with logprobs (top 5);
+#   (g) `n` choices sharing one prompt (issue 12): 2,048 / 128, 32 sequences in flight, as 256
+#       requests of n = 1 and as 64 requests of n = 4 (the same tokens generated, a quarter of
+#       the prompts computed).
 #
 # $SNAPSERVE names a prebuilt binary (else cargo builds one); $SERVE_ARGS the model (default:
 # the Llama-3.1-8B shape with random weights and $TOKENIZER's tokenizer, default the embedded
-# SmolLM2's); $CONFIG the deployment file; $SCENARIOS which to run (default "a b c d e f").
+# SmolLM2's); $CONFIG the deployment file; $SCENARIOS which to run (default "a b c d e f g").
 # Writes each server's log and each table under $OUT (default .).
 #
 #     [SNAPSERVE=path] [TOKENIZER=dir] [SERVE_ARGS="--model dir"] scripts/bench_serve.sh
@@ -28,7 +31,7 @@ fi
 config=${CONFIG:-configs/gpu.toml}
 out=${OUT:-.}
 port=${PORT:-8079}
-scenarios=${SCENARIOS:-a b c d e f}
+scenarios=${SCENARIOS:-a b c d e f g}
 tokenizer_args=()
 [ -n "${TOKENIZER:-}" ] && tokenizer_args=(--tokenizer "$TOKENIZER")
 default_model="--random-weights --model-config scripts/shapes/llama-3.1-8b.json ${tokenizer_args[*]}"
@@ -122,6 +125,14 @@ for scenario in $scenarios; do
         load "f-logprobs" "${short[@]}" --seed 3 --extra-body '{"logprobs": 5}'
         load "f-plain-again" "${short[@]}" --seed 4
         stop f
+        ;;
+    g)
+        serve g "$config"
+        long=(--prefix-tokens 2048 --prefixes 0 --max-tokens 128)
+        load "g-n1" "${long[@]}" --requests 256 --concurrency 32 --seed 5
+        load "g-n4" "${long[@]}" --requests 64 --concurrency 8 --seed 6 --extra-body '{"n": 4}'
+        curl -s "localhost:$port/metrics" | grep "^snapserve_prefix_forked_tokens_total"
+        stop g
         ;;
     esac
 done

@@ -466,3 +466,93 @@ fn tool_calls_forced_named_streamed_and_answered() {
     );
     assert!(server.is_idle());
 }
+
+/// `n` choices of one prompt: the prompt is computed once (the others copy its KV, counted by
+/// `snapserve_prefix_forked_tokens_total`), choice `i` is what a lone request seeded `seed + i`
+/// answers, usage counts the prompt once and sums the completions, and streamed chunks carry
+/// each choice's `index`.
+#[test]
+fn n_choices_share_the_prompt_whole_and_streamed() {
+    let server = Server::start(&smollm2(), CONFIG);
+    let messages = json!([
+        {"role": "system", "content": "You are a poet who answers in one short line."},
+        {"role": "user", "content": "Write a line about the sea at night."},
+    ]);
+    let ask = |n: usize, seed: u64| {
+        json!({
+            "messages": messages, "n": n, "seed": seed, "temperature": 1.0,
+            "max_tokens": 10, "ignore_eos": true,
+        })
+    };
+    let forked_before = server.metric("snapserve_prefix_forked_tokens_total");
+    let (status, _, body) = server.post("/v1/chat/completions", &ask(3, 40));
+    assert_eq!(status, 200, "{body}");
+    let choices = body["choices"].as_array().unwrap();
+    let indices: Vec<u64> = choices
+        .iter()
+        .map(|c| c["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(indices, [0, 1, 2]);
+    let prompt_tokens = body["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(body["usage"]["completion_tokens"], 30, "{body}");
+    assert_eq!(body["usage"]["total_tokens"], prompt_tokens + 30);
+    let forked = server.metric("snapserve_prefix_forked_tokens_total") - forked_before;
+    assert_eq!(
+        forked,
+        2.0 * (prompt_tokens - 1) as f64,
+        "two choices copied the prompt"
+    );
+    let texts: Vec<&str> = choices
+        .iter()
+        .map(|c| c["message"]["content"].as_str().unwrap())
+        .collect();
+    assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
+    for (i, text) in texts.iter().enumerate() {
+        let (_, _, lone) = server.post("/v1/chat/completions", &ask(1, 40 + i as u64));
+        assert_eq!(lone["usage"]["prompt_tokens"], prompt_tokens);
+        assert_eq!(
+            lone["choices"][0]["message"]["content"],
+            *text,
+            "choice {i} against a lone request seeded {}",
+            40 + i
+        );
+    }
+
+    // Streamed: each choice's chunks under its index, one finish each, then one usage.
+    let mut streamed = ask(2, 40);
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let chunks = chunks(&server.post_stream("/v1/chat/completions", &streamed));
+    let mut text = [String::new(), String::new()];
+    let mut finishes = [0, 0];
+    for chunk in &chunks[..chunks.len() - 1] {
+        assert!(
+            chunk["id"] == chunks[0]["id"],
+            "one id for the whole response"
+        );
+        let choice = &chunk["choices"][0];
+        let i = choice["index"].as_u64().unwrap() as usize;
+        text[i] += choice["delta"]["content"].as_str().unwrap_or("");
+        finishes[i] += choice["finish_reason"].is_string() as usize;
+    }
+    assert_eq!(finishes, [1, 1]);
+    assert_eq!(text[0], texts[0]);
+    assert_eq!(text[1], texts[1]);
+    let usage = &chunks[chunks.len() - 1]["usage"];
+    assert_eq!(usage["completion_tokens"], 20, "{usage}");
+
+    // Completions too, and the limits.
+    let (status, _, body) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "Once upon a time", "n": 2, "max_tokens": 3, "seed": 1}),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"].as_array().unwrap().len(), 2);
+    assert_eq!(body["choices"][1]["index"], 1);
+    assert_chat_refused(
+        &server,
+        &messages,
+        &[(json!({"n": 0}), "n"), (json!({"n": 65}), "n")],
+    );
+    assert!(server.is_idle());
+}

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use actors::scheduler::Scheduler;
 use actors::{GenerateRequest, Parts, ServeConfig};
-use cache::{BackingId, KvGeometry, PageCopy, Tier};
+use cache::{BackingId, KvGeometry, PageClone, PageCopy, Tier};
 use engine::EngineError;
 use engine::backend::{Backend, BackendInfo, MemoryReport, StepOutput, StepPlan};
 use engine::sampling::SamplingParams;
@@ -62,6 +62,9 @@ impl Backend for NullBackend {
     }
     fn restore_pages(&mut self, _: BackingId, _: &[PageCopy]) -> Result<(), EngineError> {
         Ok(())
+    }
+    fn clone_pages(&mut self, _: &[PageClone]) -> Result<(), EngineError> {
+        Err(EngineError::ShutDown)
     }
     fn copy_backing(&mut self, _: BackingId, _: BackingId) -> Result<(), EngineError> {
         Err(EngineError::ShutDown)

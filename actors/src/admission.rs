@@ -176,6 +176,22 @@ impl Handler<Submit> for Admission {
     }
 }
 
+/// Submits `n` choices of one request (OpenAI's `n`), which compute the prompt once; see
+/// [`crate::scheduler::Scheduler::submit_choices`].
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Vec<RequestStream>, ServeError>")]
+pub struct SubmitChoices(pub GenerateRequest, pub usize);
+
+impl Handler<SubmitChoices> for Admission {
+    type Result = Result<Vec<RequestStream>, ServeError>;
+
+    fn handle(&mut self, msg: SubmitChoices, ctx: &mut Context<Self>) -> Self::Result {
+        let streams = self.scheduler.submit_choices(msg.0, msg.1)?;
+        self.kick(ctx);
+        Ok(streams)
+    }
+}
+
 /// Cancels a request; its terminal event is `Cancelled`.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]

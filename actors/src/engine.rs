@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use actix::{Actor, Handler, Message, MessageResult, SyncContext};
-use cache::{BackingId, Eviction, PageCopy, SnapshotId, Tier};
+use cache::{BackingId, Eviction, PageClone, PageCopy, SnapshotId, Tier};
 use engine::EngineError;
 use engine::backend::{Backend, BackendInfo, MemoryReport, RowPlan, StepOutput, StepPlan};
 use engine::sampling::Sampler;
@@ -309,7 +309,8 @@ fn check_multi_step(
 }
 
 impl Engine {
-    /// Does a step's work in order: evictions, restores, forward pass and sampling, saves.
+    /// Does a step's work in order: evictions, restores, forks, forward pass and sampling,
+    /// saves.
     pub fn run(&mut self, mut step: EngineStep) -> EngineStepReply {
         let mut demotions = Vec::new();
         self.reap_demotions(false, &mut demotions);
@@ -322,6 +323,11 @@ impl Engine {
                     .restore_pages(r.backing, &r.copies)
                     .map_err(|e| e.to_string())
             })
+            .collect();
+        let forks = step
+            .forks
+            .iter()
+            .map(|clones| self.backend.clone_pages(clones).map_err(|e| e.to_string()))
             .collect();
         // Restores planned while a snapshot was demoting are queued: its device copy may go.
         self.free_demoted_sources();
@@ -348,6 +354,7 @@ impl Engine {
             demotions,
             engine_gone: false,
             restores,
+            forks,
             forward,
             first_step_seconds,
             samplers: step.samplers,
@@ -409,6 +416,9 @@ impl Backend for Stopped {
         Err(EngineError::ShutDown)
     }
     fn restore_pages(&mut self, _: BackingId, _: &[PageCopy]) -> Result<(), EngineError> {
+        Err(EngineError::ShutDown)
+    }
+    fn clone_pages(&mut self, _: &[PageClone]) -> Result<(), EngineError> {
         Err(EngineError::ShutDown)
     }
     fn copy_backing(&mut self, _: BackingId, _: BackingId) -> Result<(), EngineError> {

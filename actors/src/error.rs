@@ -16,6 +16,10 @@ pub enum ServeError {
     #[error("invalid request: {0}")]
     Invalid(String),
 
+    /// More choices (`n`) than the queue can ever hold at once.
+    #[error("invalid request: n is {n}; this server queues at most {max_queue} requests")]
+    TooManyChoices { n: usize, max_queue: usize },
+
     /// The scheduler has stopped.
     #[error("the server is shutting down")]
     ShuttingDown,
@@ -49,7 +53,7 @@ impl ServeError {
     pub fn code(&self) -> &'static str {
         match self {
             ServeError::Overloaded { .. } => "overloaded",
-            ServeError::Invalid(_) => "validation",
+            ServeError::Invalid(_) | ServeError::TooManyChoices { .. } => "validation",
             ServeError::ShuttingDown => "shutting_down",
             ServeError::Cancelled => "cancelled",
             ServeError::Engine(_) => "engine_error",

@@ -4,8 +4,8 @@
 //! vocabulary does not depend on actix.
 
 use cache::{
-    BackingId, CacheError, Eviction, LookupHit, PageCopy, PageId, PrefixHash, RestorePlan,
-    SaveReservation, SaveStart, SlotHandle, SnapshotId, Tier,
+    BackingId, CacheError, Eviction, LookupHit, PageClone, PageCopy, PageId, PrefixHash,
+    RestorePlan, SaveReservation, SaveStart, SlotHandle, SnapshotId, Tier,
 };
 use engine::backend::StepPlan;
 use engine::sampling::Sampler;
@@ -95,6 +95,9 @@ pub struct RestoreCopy {
 pub struct EngineStep {
     pub evictions: Vec<Eviction>,
     pub restores: Vec<RestoreCopy>,
+    /// Pool pages to copy onto others after the restores, before the forward pass: one list
+    /// per choice of an `n` > 1 request taking the prompt's KV from its first choice.
+    pub forks: Vec<Vec<PageClone>>,
     pub plan: StepPlan,
     /// One per plan row: rows with a sampler get their next token.
     pub samplers: Vec<Option<Box<Sampler>>>,
@@ -150,6 +153,8 @@ pub struct EngineStepReply {
     /// The engine is gone: demotions it had started will never be reported.
     pub engine_gone: bool,
     pub restores: Vec<Result<(), String>>,
+    /// One per fork of the step, in order.
+    pub forks: Vec<Result<(), String>>,
     /// The tokens each row sampled, or why the forward pass failed.
     pub forward: Result<SampledTokens, String>,
     /// Seconds the forward pass's first step took, sampling included (0 without rows).
@@ -165,6 +170,7 @@ pub struct EngineStepReply {
 #[derive(Debug, Clone, Copy)]
 pub struct StepShape {
     restores: usize,
+    forks: usize,
     rows: usize,
     saves: usize,
 }
@@ -173,6 +179,7 @@ impl EngineStepReply {
     pub fn shape_of(step: &EngineStep) -> StepShape {
         StepShape {
             restores: step.restores.len(),
+            forks: step.forks.len(),
             rows: step.plan.rows.len(),
             saves: step.saves.len(),
         }
@@ -185,6 +192,7 @@ impl EngineStepReply {
             demotions: Vec::new(),
             engine_gone: true,
             restores: vec![Err(reason.to_string()); shape.restores],
+            forks: vec![Err(reason.to_string()); shape.forks],
             forward: Err(reason.to_string()),
             first_step_seconds: 0.0,
             samplers: (0..shape.rows).map(|_| None).collect(),

@@ -54,6 +54,10 @@ fn describe() {
             "Prompt tokens restored from snapshots instead of computed.",
         ),
         (
+            "snapserve_prefix_forked_tokens_total",
+            "Prompt tokens a request's other choices (n > 1) copied from its first instead of computing.",
+        ),
+        (
             "snapserve_context_full_backoffs_total",
             "Times a request backed off because the KV pool could not grow its sequence.",
         ),
@@ -182,6 +186,7 @@ pub async fn render(handles: &Handles, prometheus: &PrometheusHandle) -> String 
     }
     counter!("snapserve_generation_tokens_total").absolute(scheduler.generated_tokens);
     counter!("snapserve_prefix_reused_tokens_total").absolute(scheduler.restored_tokens);
+    counter!("snapserve_prefix_forked_tokens_total").absolute(scheduler.forked_tokens);
     counter!("snapserve_context_full_backoffs_total").absolute(scheduler.backoffs);
     counter!("snapserve_preemptions_total").absolute(scheduler.preemptions);
     counter!("snapserve_scheduler_steps_total").absolute(scheduler.steps);

@@ -11,7 +11,9 @@ use cache::{
 use engine::backend::{Backend, MemoryReport};
 use policy::Policies;
 
-use crate::admission::{Admission, Cancel, CutAll, Drain, GetSchedulerStats, Submit};
+use crate::admission::{
+    Admission, Cancel, CutAll, Drain, GetSchedulerStats, Submit, SubmitChoices,
+};
 use crate::engine::{Engine, GetMemory};
 use crate::error::ServeError;
 use crate::kv_pool::{GetPoolStats, KvPool};
@@ -157,6 +159,19 @@ impl Handles {
     pub async fn submit(&self, request: GenerateRequest) -> Result<RequestStream, ServeError> {
         self.admission
             .send(Submit(request))
+            .await
+            .map_err(|_| ServeError::ShuttingDown)?
+    }
+
+    /// Submits `n` choices of one request, which compute the prompt once: one stream each, in
+    /// order, choice `i` drawing from `seed + i` when seeded.
+    pub async fn submit_choices(
+        &self,
+        request: GenerateRequest,
+        n: usize,
+    ) -> Result<Vec<RequestStream>, ServeError> {
+        self.admission
+            .send(SubmitChoices(request, n))
             .await
             .map_err(|_| ServeError::ShuttingDown)?
     }

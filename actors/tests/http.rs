@@ -50,6 +50,9 @@ impl Backend for PanickingBackend {
     ) -> Result<(), EngineError> {
         Ok(())
     }
+    fn clone_pages(&mut self, _: &[cache::PageClone]) -> Result<(), EngineError> {
+        Ok(())
+    }
     fn copy_backing(
         &mut self,
         _: cache::BackingId,

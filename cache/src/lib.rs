@@ -28,7 +28,7 @@ pub use error::CacheError;
 pub use frame::{FRAME_LEN, Frame, FrameKind, payload_crc32};
 pub use geometry::{KvGeometry, PageId, SnapshotGeometry};
 pub use ids::{BackingId, Generation, SlotHandle, SlotId, SnapshotId};
-pub use plan::PageCopy;
+pub use plan::{PageClone, PageCopy, page_clones};
 pub use pool::{PagePool, PoolConfig, PoolStats};
 pub use prefix::{PrefixHash, PrefixHasher, PrefixSalt};
 pub use store::{

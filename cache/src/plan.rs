@@ -16,6 +16,33 @@ pub struct PageCopy {
     pub pool_page: PageId,
 }
 
+/// Copy working-pool page `from` into pool page `to`: how a request's other choices (`n` > 1)
+/// take the prompt's KV from the first one instead of computing it again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageClone {
+    pub from: PageId,
+    pub to: PageId,
+}
+
+/// The copies giving `to` the first `pages` pages of `from`, page by page.
+pub fn page_clones(
+    pages: usize,
+    from: &[PageId],
+    to: &[PageId],
+) -> Result<Vec<PageClone>, CacheError> {
+    let short = |table: &[PageId]| CacheError::ShortPageTable {
+        snapshot_pages: pages,
+        table_pages: table.len(),
+    };
+    let from = from.get(..pages).ok_or_else(|| short(from))?;
+    let to = to.get(..pages).ok_or_else(|| short(to))?;
+    Ok(from
+        .iter()
+        .zip(to)
+        .map(|(&from, &to)| PageClone { from, to })
+        .collect())
+}
+
 /// The copies between a snapshot of `snapshot_pages` pages and the start of `page_table`.
 pub fn page_copies(
     snapshot_pages: usize,

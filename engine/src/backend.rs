@@ -16,7 +16,7 @@
 
 use std::ops::Range;
 
-use cache::{BackingId, KvGeometry, PageCopy, PageId, Tier};
+use cache::{BackingId, KvGeometry, PageClone, PageCopy, PageId, Tier};
 
 use crate::error::{EngineError, Result};
 use crate::sampling::{Sampler, SamplingParams};
@@ -227,6 +227,10 @@ pub trait Backend: Send {
 
     /// Copies page `snapshot_page` of the backing into pool page `pool_page`, for each copy.
     fn restore_pages(&mut self, backing: BackingId, copies: &[PageCopy]) -> Result<()>;
+
+    /// Copies working-pool page `from` into page `to`, every layer's K and V, for each clone,
+    /// in order and before the next step's forward pass. No page is both a source and a target.
+    fn clone_pages(&mut self, clones: &[PageClone]) -> Result<()>;
 
     /// Starts copying one backing into another of the same size (a demotion to the host
     /// tier). The copy may still run when this returns, beside later steps: `from` must stay

@@ -3,7 +3,7 @@
 //! sequence continues exactly as one prefilled the same way without a snapshot. Run on the GPU
 //! machine with `cargo test --release -p engine --test cuda_snapshots -- --ignored`.
 
-use cache::{BackingId, KvGeometry, PageCopy, PageId, Tier};
+use cache::{BackingId, KvGeometry, PageClone, PageCopy, PageId, Tier};
 use engine::DType;
 use engine::backend::{Backend, LogitsWanted, RowPlan, StepPlan};
 use engine::cuda::{CudaBackend, CudaOptions};
@@ -141,6 +141,55 @@ fn a_restored_snapshot_is_byte_identical_and_continues_like_the_original() {
     let memory = backend.memory();
     assert_eq!(memory.host_snapshot_bytes, 6 * page_bytes);
     assert_eq!((memory.device_snapshot_bytes, memory.backings), (0, 2));
+}
+
+/// `n` > 1: the other choices copy the first one's prompt pages, partial last page included;
+/// the copies hold the same bytes and continue with the same logits.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cloned_pages_are_byte_identical_and_continue_like_their_source() {
+    let (_dir, mut backend) = backend();
+    let tokens = prompt(3, 2 * PAGE + 7);
+    let (head, last) = tokens.split_at(tokens.len() - 1);
+    let source = pages(&[4, 5, 6]);
+    run(&mut backend, head, 0, &source);
+    let target = pages(&[30, 1, 17]);
+    let clones: Vec<PageClone> = source
+        .iter()
+        .zip(&target)
+        .map(|(&from, &to)| PageClone { from, to })
+        .collect();
+    backend.clone_pages(&clones).unwrap();
+    let page_bytes = backend.info().geometry.page_bytes() as u64;
+    let (a, b) = (BackingId(1), BackingId(2));
+    backend
+        .alloc_backing(a, Tier::Host, 3 * page_bytes)
+        .unwrap();
+    backend
+        .alloc_backing(b, Tier::Host, 3 * page_bytes)
+        .unwrap();
+    backend.save_pages(a, &copies(&source, 3)).unwrap();
+    backend.save_pages(b, &copies(&target, 3)).unwrap();
+    let bytes = backend.read_backing(a).unwrap();
+    assert!(bytes.iter().any(|&x| x != 0));
+    assert!(
+        backend.read_backing(b).unwrap() == bytes,
+        "cloned KV differs"
+    );
+    let original = run(&mut backend, last, head.len(), &source);
+    let cloned = run(&mut backend, last, head.len(), &target);
+    assert!(
+        cloned
+            .iter()
+            .zip(&original)
+            .all(|(x, y)| x.to_bits() == y.to_bits()),
+        "logits after cloned pages differ"
+    );
+    let onto_itself = [PageClone {
+        from: PageId(2),
+        to: PageId(2),
+    }];
+    assert!(backend.clone_pages(&onto_itself).is_err());
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! Snapshot buffers on the CPU backend: a prompt's pages saved into a backing survive the
 //! pool being reused, and restored into other pages they continue exactly as a cold prefill.
 
-use cache::{BackingId, PageCopy, PageId, Tier};
+use cache::{BackingId, PageClone, PageCopy, PageId, Tier};
 use engine::backend::{Backend, LogitsWanted, RowPlan, StepPlan};
 use engine::cpu::{CpuBackend, CpuOptions};
 use engine::model::ModelFiles;
@@ -103,6 +103,42 @@ fn a_restored_snapshot_continues_exactly_like_a_cold_prefill_after_its_pages_wer
     );
     assert_eq!(backend.memory().host_snapshot_bytes, 3 * page_bytes);
     assert_eq!(backend.memory().device_snapshot_bytes, 0);
+}
+
+/// `n` > 1: the other choices copy the first one's prompt pages, partial last page included.
+#[test]
+fn cloned_pages_continue_exactly_like_their_source() {
+    let (_dir, mut backend) = tiny_backend();
+    let tokens = prompt(3, 2 * PAGE + 7);
+    let source = pages(&[4, 5, 6]);
+    let (head, last) = tokens.split_at(tokens.len() - 1);
+    run(&mut backend, head, 0, &source);
+    let target = pages(&[30, 1, 17]);
+    let clones: Vec<PageClone> = source
+        .iter()
+        .zip(&target)
+        .map(|(&from, &to)| PageClone { from, to })
+        .collect();
+    backend.clone_pages(&clones).unwrap();
+    let original = run(&mut backend, last, head.len(), &source);
+    let cloned = run(&mut backend, last, head.len(), &target);
+    assert!(
+        cloned
+            .iter()
+            .zip(&original)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "logits after cloned pages differ"
+    );
+    let onto_itself = [PageClone {
+        from: PageId(2),
+        to: PageId(2),
+    }];
+    assert!(backend.clone_pages(&onto_itself).is_err());
+    let outside = [PageClone {
+        from: PageId(2),
+        to: PageId(32),
+    }];
+    assert!(backend.clone_pages(&outside).is_err());
 }
 
 #[test]

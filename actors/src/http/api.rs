@@ -2,7 +2,7 @@
 //! tokenized request.
 //!
 //! Unknown fields are ignored, as OpenAI's own clients send fields a server may not know. Known
-//! fields snapserve cannot honour (`n` above 1, `best_of`, `suffix`, image parts, `echo` with
+//! fields snapserve cannot honour (`best_of` above 1, `suffix`, image parts, `echo` with
 //! `logprobs`) are refused with a 400 that names them, never silently dropped.
 //!
 //! Structured outputs (`response_format`, and vLLM's `guided_json`, `guided_regex` and
@@ -179,7 +179,12 @@ pub struct Prepared {
     pub echo: Option<String>,
     /// How to read tool calls back out of the reply, when tools may be called.
     pub tools: Option<ToolUse>,
+    /// Choices to generate (OpenAI's `n`), sharing the prompt's computation.
+    pub n: usize,
 }
+
+/// The most choices one request may ask for.
+pub const MAX_CHOICES: usize = 64;
 
 /// Tool calls to read out of a reply: the syntax and the functions that exist.
 #[derive(Debug, Clone)]
@@ -189,14 +194,16 @@ pub struct ToolUse {
 }
 
 impl Sampling {
-    fn unsupported(&self) -> Result<(), ApiError> {
-        if let Some(n) = self.n.filter(|&n| n != 1) {
-            return Err(ApiError::invalid_param(
+    /// How many choices to generate: `n`, from 1 to [`MAX_CHOICES`].
+    fn choices(&self) -> Result<usize, ApiError> {
+        match self.n.unwrap_or(1) {
+            0 => Err(ApiError::invalid_param("n", "n must be at least 1")),
+            n if n > MAX_CHOICES => Err(ApiError::invalid_param(
                 "n",
-                format!("only n = 1 is supported, got {n}"),
-            ));
+                format!("at most {MAX_CHOICES} choices, got {n}"),
+            )),
+            n => Ok(n),
         }
-        Ok(())
     }
 
     /// `logit_bias` by token id, each key a token of the vocabulary.
@@ -395,6 +402,7 @@ impl Sampling {
                 .is_some_and(|o| o.include_usage),
             echo: None,
             tools: None,
+            n: self.choices()?,
         })
     }
 }
@@ -410,7 +418,7 @@ pub fn check_model(asked: Option<&str>, model: &Model) -> Result<(), ApiError> {
 impl CompletionRequest {
     pub fn prepare(&self, model: &Model) -> Result<Prepared, ApiError> {
         check_model(self.model.as_deref(), model)?;
-        self.sampling.unsupported()?;
+        self.sampling.choices()?;
         let refuse = |param: &str, what: &str| {
             Err(ApiError::invalid_param(
                 param,
@@ -474,7 +482,7 @@ impl CompletionRequest {
 impl ChatRequest {
     pub fn prepare(&self, model: &Model) -> Result<Prepared, ApiError> {
         check_model(self.model.as_deref(), model)?;
-        self.sampling.unsupported()?;
+        self.sampling.choices()?;
         let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
             (false, Some(_)) => {
                 return Err(ApiError::invalid_param(

@@ -90,7 +90,9 @@ impl From<ServeError> for ApiError {
     fn from(error: ServeError) -> Self {
         let (status, kind) = match &error {
             ServeError::Overloaded { .. } => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error"),
-            ServeError::Invalid(_) => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+            ServeError::Invalid(_) | ServeError::TooManyChoices { .. } => {
+                (StatusCode::BAD_REQUEST, "invalid_request_error")
+            }
             ServeError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
             // Nobody cancels through HTTP; a client that sees this did not ask for it, and
             // retrying is its call.
@@ -109,7 +111,7 @@ impl From<ServeError> for ApiError {
             message: error.to_string(),
             kind,
             code: error.code(),
-            param: None,
+            param: matches!(error, ServeError::TooManyChoices { .. }).then(|| "n".to_string()),
             retry_after,
             allow: None,
         }

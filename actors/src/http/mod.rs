@@ -231,26 +231,35 @@ async fn respond(
         include_usage,
         echo,
         tools,
+        n,
     } = prepared;
     let prompt_tokens = prompt.len();
     let stops = params.stop.clone();
     let logprobs = params.logprobs.is_some();
-    let events = state
+    let streams = state
         .handles
-        .submit(GenerateRequest { prompt, params })
+        .submit_choices(GenerateRequest { prompt, params }, n)
         .await?;
     crate::metrics::prompt_accepted(prompt_tokens);
-    let output = Output::new(state.model.clone(), events, &stops, prompt_tokens, kind)
-        .echoing(echo)
-        .with_logprobs(logprobs)
-        .reading_tools(tools);
+    let mut outputs: Vec<Output> = Vec::with_capacity(n);
+    for (index, events) in streams.into_iter().enumerate() {
+        let output = Output::new(state.model.clone(), events, &stops, prompt_tokens, kind)
+            .echoing(echo.clone())
+            .with_logprobs(logprobs)
+            .reading_tools(tools.clone());
+        let output = match outputs.first() {
+            Some(first) => output.choice_of(first, index),
+            None => output,
+        };
+        outputs.push(output);
+    }
     if stream {
         Ok(HttpResponse::Ok()
             .content_type("text/event-stream")
             .insert_header(("Cache-Control", "no-cache"))
-            .streaming(output.into_events(include_usage)))
+            .streaming(Output::events(outputs, include_usage)))
     } else {
-        let body = output.whole().await?;
+        let body = Output::whole(outputs).await?;
         Ok(HttpResponse::Ok().json(body))
     }
 }

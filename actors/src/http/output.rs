@@ -9,7 +9,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use engine::stop::StopMatcher;
 use engine::tokenizer::TextStream;
-use futures_util::Stream;
+use futures_util::{Stream, StreamExt};
 use serde_json::{Value, json};
 
 use super::Model;
@@ -55,6 +55,8 @@ pub struct Output {
     kind: Kind,
     id: String,
     created: u64,
+    /// Which of the request's choices (`n`) this is.
+    index: usize,
     submitted: Instant,
     last_token: Option<Instant>,
     /// Text answered before the completion's own (`echo`): the first piece.
@@ -153,6 +155,7 @@ impl Output {
             completion_tokens: 0,
             kind,
             created: super::unix_now(),
+            index: 0,
             submitted: Instant::now(),
             last_token: None,
             echo: None,
@@ -183,6 +186,16 @@ impl Output {
     pub fn with_logprobs(self, wanted: bool) -> Self {
         Output {
             logprobs: wanted.then(Vec::new),
+            ..self
+        }
+    }
+
+    /// Makes this the choice `index` of the response `first` opens (its id and time).
+    pub fn choice_of(self, first: &Output, index: usize) -> Self {
+        Output {
+            id: first.id.clone(),
+            created: first.created,
+            index,
             ..self
         }
     }
@@ -361,8 +374,8 @@ impl Output {
         })
     }
 
-    /// Reads the request to its end and answers in one body.
-    pub async fn whole(mut self) -> Result<Value, ApiError> {
+    /// Reads the choice to its end: its `choices` entry and its usage.
+    async fn whole_choice(mut self) -> Result<(Value, Value), ApiError> {
         let mut text = String::new();
         let mut scored = Vec::new();
         loop {
@@ -378,19 +391,20 @@ impl Output {
                         .tools
                         .as_ref()
                         .and_then(|t| read_calls(&t.tools, &text));
+                    let index = self.index;
                     let choice = match (self.kind, called) {
                         (Kind::Completion, _) => json!({
-                            "index": 0, "text": text, "logprobs": logprobs,
+                            "index": index, "text": text, "logprobs": logprobs,
                             "finish_reason": reason,
                         }),
                         (Kind::Chat, None) => json!({
-                            "index": 0,
+                            "index": index,
                             "message": {"role": "assistant", "content": text},
                             "logprobs": logprobs,
                             "finish_reason": reason,
                         }),
                         (Kind::Chat, Some(parsed)) => json!({
-                            "index": 0,
+                            "index": index,
                             "message": {
                                 "role": "assistant",
                                 "content": (!parsed.content.is_empty()).then_some(parsed.content),
@@ -400,16 +414,30 @@ impl Output {
                             "finish_reason": "tool_calls",
                         }),
                     };
-                    let object = match self.kind {
-                        Kind::Completion => "text_completion",
-                        Kind::Chat => "chat.completion",
-                    };
-                    let mut body = self.envelope(object, json!([choice]));
-                    body["usage"] = usage;
-                    return Ok(body);
+                    return Ok((choice, usage));
                 }
             }
         }
+    }
+
+    /// Reads every choice of a request (`outputs`, in order) to its end and answers in one
+    /// body. The first failure answers the request; the other choices are then dropped, which
+    /// cancels them.
+    pub async fn whole(outputs: Vec<Output>) -> Result<Value, ApiError> {
+        let head = outputs.first().expect("a request has a choice");
+        let object = match head.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion",
+        };
+        let mut body = head.envelope(object, Value::Null);
+        let read = outputs.into_iter().map(Output::whole_choice);
+        let (choices, usages): (Vec<Value>, Vec<Value>) = futures_util::future::try_join_all(read)
+            .await?
+            .into_iter()
+            .unzip();
+        body["choices"] = Value::Array(choices);
+        body["usage"] = merge_usage(&usages);
+        Ok(body)
     }
 
     /// A chunk of the stream: `text` as the next piece with its tokens' `scored`
@@ -427,13 +455,13 @@ impl Output {
         };
         let choice = match self.kind {
             Kind::Completion => json!({
-                "index": 0,
+                "index": self.index,
                 "text": text.unwrap_or(""),
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }),
             Kind::Chat => json!({
-                "index": 0,
+                "index": self.index,
                 "delta": match text {
                     Some(text) => json!({"content": text}),
                     None => json!({}),
@@ -449,7 +477,7 @@ impl Output {
     fn tool_call_chunk(&self, index: usize, mut call: Value) -> Value {
         call["index"] = json!(index);
         let choice = json!([{
-            "index": 0,
+            "index": self.index,
             "delta": {"tool_calls": [call]},
             "logprobs": null,
             "finish_reason": null,
@@ -464,26 +492,25 @@ impl Output {
         }
     }
 
-    /// The response as server-sent events: a chunk per piece of text, a last chunk with the
-    /// finish reason (and one with the usage when asked), then `[DONE]`. A failure after the
-    /// stream started is sent as an `error` object before `[DONE]`.
-    pub fn into_events(
-        self,
-        include_usage: bool,
-    ) -> impl Stream<Item = Result<Bytes, actix_web::Error>> {
+    /// One choice as server-sent event text: a chunk per piece of text, a last chunk with the
+    /// finish reason, then how it ended (with its usage), for [`Output::events`] to close.
+    fn choice_events(self) -> impl Stream<Item = Streamed> {
         let opening = (self.kind == Kind::Chat).then(|| {
             let choice = json!([{
-                "index": 0,
+                "index": self.index,
                 "delta": {"role": "assistant", "content": ""},
                 "logprobs": null,
                 "finish_reason": null,
             }]);
-            sse(&self.envelope("chat.completion.chunk", choice))
+            Streamed::Text(sse(&self.envelope("chat.completion.chunk", choice)))
         });
-        let state = (self, opening, false);
-        futures_util::stream::unfold(state, move |(mut output, opening, done)| async move {
-            if let Some(first) = opening {
-                return Some((Ok(Bytes::from(first)), (output, None, false)));
+        let state = (self, opening, None::<Streamed>, false);
+        futures_util::stream::unfold(state, move |(mut output, first, last, done)| async move {
+            if let Some(item) = first {
+                return Some((item, (output, None, last, done)));
+            }
+            if let Some(item) = last {
+                return Some((item, (output, None, None, true)));
             }
             if done {
                 return None;
@@ -508,9 +535,8 @@ impl Output {
             for (index, call) in calls_json(&calls).into_iter().enumerate() {
                 bytes += &sse(&output.tool_call_chunk(index, call));
             }
-            let finished = piece.end.is_some();
-            match piece.end {
-                None => {}
+            let end = match piece.end {
+                None => None,
                 Some(End::Finished { reason, usage }) => {
                     let reason = if calls.is_empty() {
                         reason
@@ -518,22 +544,91 @@ impl Output {
                         "tool_calls"
                     };
                     bytes += &sse(&output.chunk(None, &[], Some(reason)));
-                    if include_usage {
-                        let mut chunk = output.envelope(output.chunk_object(), json!([]));
-                        chunk["usage"] = usage;
-                        bytes += &sse(&chunk);
-                    }
-                    bytes += "data: [DONE]\n\n";
+                    Some(Streamed::Finished(usage))
                 }
-                Some(End::Failed(error)) => {
-                    metrics::error_answered(error.code);
-                    bytes += &sse(&error.body());
-                    bytes += "data: [DONE]\n\n";
-                }
-            }
-            Some((Ok(Bytes::from(bytes)), (output, None, finished)))
+                Some(End::Failed(error)) => Some(Streamed::Failed(error)),
+            };
+            Some((Streamed::Text(bytes), (output, None, end, false)))
         })
     }
+
+    /// A request's choices (`outputs`, in order) as one stream of server-sent events: each
+    /// choice's chunks as they come, interleaved and told apart by their `index`; once all
+    /// have finished, a chunk with the usage when asked, then `[DONE]`. A failure after the
+    /// stream started is sent as an `error` object before `[DONE]`, and ends the stream (the
+    /// other choices are then dropped, which cancels them).
+    pub fn events(
+        outputs: Vec<Output>,
+        include_usage: bool,
+    ) -> impl Stream<Item = Result<Bytes, actix_web::Error>> {
+        let head = outputs.first().expect("a request has a choice");
+        let closing = head.envelope(head.chunk_object(), json!([]));
+        let choices = outputs.len();
+        let merged = futures_util::stream::select_all(
+            outputs
+                .into_iter()
+                .map(|output| Box::pin(output.choice_events())),
+        );
+        let state = (merged, closing, Vec::new(), false);
+        futures_util::stream::unfold(state, move |(mut merged, closing, mut usages, done)| {
+            async move {
+                if done {
+                    return None;
+                }
+                let mut bytes = String::new();
+                let mut finished = false;
+                // Text comes out as it is read; an end waits for the others.
+                while bytes.is_empty() && !finished {
+                    match merged.next().await {
+                        Some(Streamed::Text(text)) => bytes = text,
+                        Some(Streamed::Finished(usage)) => {
+                            usages.push(usage);
+                            if usages.len() == choices {
+                                if include_usage {
+                                    let mut chunk = closing.clone();
+                                    chunk["usage"] = merge_usage(&usages);
+                                    bytes += &sse(&chunk);
+                                }
+                                bytes += "data: [DONE]\n\n";
+                                finished = true;
+                            }
+                        }
+                        Some(Streamed::Failed(error)) => {
+                            metrics::error_answered(error.code);
+                            bytes += &sse(&error.body());
+                            bytes += "data: [DONE]\n\n";
+                            finished = true;
+                        }
+                        None => finished = true,
+                    }
+                }
+                Some((Ok(Bytes::from(bytes)), (merged, closing, usages, finished)))
+            }
+        })
+    }
+}
+
+/// What a choice's stream carries: event text, then how the choice ended.
+enum Streamed {
+    Text(String),
+    Finished(Value),
+    Failed(ApiError),
+}
+
+/// One usage for a request's choices: the prompt counted once (it was computed once), the
+/// completions summed, the cached prompt tokens the first choice's.
+fn merge_usage(usages: &[Value]) -> Value {
+    let mut merged = usages.first().cloned().unwrap_or(Value::Null);
+    if usages.len() > 1 {
+        let completion: u64 = usages
+            .iter()
+            .filter_map(|u| u["completion_tokens"].as_u64())
+            .sum();
+        let prompt = merged["prompt_tokens"].as_u64().unwrap_or(0);
+        merged["completion_tokens"] = json!(completion);
+        merged["total_tokens"] = json!(prompt + completion);
+    }
+    merged
 }
 
 fn sse(value: &Value) -> String {

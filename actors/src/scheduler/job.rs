@@ -47,6 +47,10 @@ pub(crate) struct Job {
     /// A restore into its pages is in flight this step.
     pub restoring: Option<SnapshotId>,
     pub prompt_saved: bool,
+    /// Another choice of the same request (`n` > 1), waiting to take the prompt's KV from the
+    /// first choice, this job, once that one has computed it. Cleared when it forks, or when
+    /// the first choice is gone and it must compute the prompt itself.
+    pub fork_of: Option<RequestId>,
     /// Cancelled by an explicit request; removed at the next step.
     pub cancelled: bool,
     /// Cut by a shutdown whose grace ran out; failed at the next step.
@@ -84,6 +88,7 @@ impl Job {
             blocked_until: None,
             restoring: None,
             prompt_saved: false,
+            fork_of: None,
             cancelled: false,
             cut: false,
             submitted_at,
@@ -110,8 +115,12 @@ impl Job {
         self.stopped.is_set()
     }
 
+    /// Whether it may run, or be admitted, now: not restoring, not backing off, and not
+    /// waiting for the first choice of its request to compute their shared prompt.
     pub fn ready(&self, now: Instant) -> bool {
-        self.restoring.is_none() && self.blocked_until.is_none_or(|t| t <= now)
+        self.restoring.is_none()
+            && self.fork_of.is_none()
+            && self.blocked_until.is_none_or(|t| t <= now)
     }
 
     /// The chain of the first `pages` full pages of its tokens.

@@ -89,6 +89,9 @@ pub struct SchedulerStats {
     /// Tokens sampled and delivered.
     pub generated_tokens: u64,
     pub restored_tokens: u64,
+    /// Prompt tokens whose KV a request's other choices (`n` > 1) copied from its first one
+    /// instead of computing.
+    pub forked_tokens: u64,
     pub queued: usize,
     pub running: usize,
 }
@@ -195,33 +198,65 @@ impl Scheduler {
 
     /// Queues a request, or refuses it: invalid input, or a full queue.
     pub fn submit(&mut self, request: GenerateRequest) -> Result<RequestStream, ServeError> {
+        let mut streams = self.submit_choices(request, 1)?;
+        Ok(streams.pop().expect("one choice asked for"))
+    }
+
+    /// Queues `n` choices of one request (OpenAI's `n`), each a request of its own with its own
+    /// stream, or refuses them all. Choice `i` draws from `seed + i` when the request is seeded.
+    /// The prompt is computed once: the first choice computes it, and each other one copies
+    /// its KV pages once it has, then runs only the prompt's last token for its own logits.
+    /// (A choice that cannot copy in time, its first choice gone, computes the prompt itself.)
+    pub fn submit_choices(
+        &mut self,
+        request: GenerateRequest,
+        n: usize,
+    ) -> Result<Vec<RequestStream>, ServeError> {
         if self.draining {
             return Err(ServeError::ShuttingDown);
         }
         self.validate(&request)?;
-        if self.queue.len() >= self.config.max_queue {
+        if n == 0 {
+            return Err(ServeError::Invalid("n must be at least 1".into()));
+        }
+        if n > self.config.max_queue {
+            return Err(ServeError::TooManyChoices {
+                n,
+                max_queue: self.config.max_queue,
+            });
+        }
+        if self.queue.len() + n > self.config.max_queue {
             return Err(ServeError::Overloaded {
                 retry_after: self.retry_after(),
             });
         }
-        let id = RequestId(self.next_id);
-        self.next_id += 1;
         let room = self.limit.tokens - request.prompt.len();
         let max_new = request.params.max_tokens.min(room);
-        let sampler = Sampler::new(&request.params, &request.prompt);
-        let (events, receiver) = mpsc::unbounded_channel();
-        let stopped = StopFlag::default();
-        self.queue.push_back(Job::new(
-            id,
-            request.prompt,
-            max_new,
-            sampler,
-            events,
-            stopped.clone(),
-            Instant::now(),
-        ));
-        self.stats.submitted += 1;
-        Ok(RequestStream::new(id, receiver, stopped))
+        let first = RequestId(self.next_id);
+        let mut streams = Vec::with_capacity(n);
+        for i in 0..n {
+            let id = RequestId(self.next_id);
+            self.next_id += 1;
+            let mut params = request.params.clone();
+            params.seed = params.seed.map(|seed| seed.wrapping_add(i as u64));
+            let sampler = Sampler::new(&params, &request.prompt);
+            let (events, receiver) = mpsc::unbounded_channel();
+            let stopped = StopFlag::default();
+            let mut job = Job::new(
+                id,
+                request.prompt.clone(),
+                max_new,
+                sampler,
+                events,
+                stopped.clone(),
+                Instant::now(),
+            );
+            job.fork_of = (i > 0).then_some(first);
+            self.queue.push_back(job);
+            self.stats.submitted += 1;
+            streams.push(RequestStream::new(id, receiver, stopped));
+        }
+        Ok(streams)
     }
 
     fn validate(&self, request: &GenerateRequest) -> Result<(), ServeError> {
@@ -266,6 +301,7 @@ impl Scheduler {
         if let Some(index) = self.queue.iter().position(|j| j.id == id) {
             let job = self.queue.remove(index).expect("position is in range");
             self.stats.cancelled += 1;
+            self.release_forks(id);
             job.cancel();
         } else if let Some(job) = self.running.iter_mut().find(|j| j.id == id) {
             job.cancelled = true;

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use cache::{BackingId, PageCopy, SnapshotState, Tier};
+use cache::{BackingId, PageClone, PageCopy, SnapshotState, Tier};
 use engine::EngineError;
 use engine::backend::{Backend, BackendInfo, MemoryReport, StepOutput, StepPlan};
 use engine::cpu::{CpuBackend, CpuOptions};
@@ -79,6 +79,9 @@ impl Backend for Flaky {
     fn restore_pages(&mut self, id: BackingId, copies: &[PageCopy]) -> Result<(), EngineError> {
         self.inner.restore_pages(id, copies)
     }
+    fn clone_pages(&mut self, clones: &[PageClone]) -> Result<(), EngineError> {
+        self.inner.clone_pages(clones)
+    }
     fn copy_backing(&mut self, from: BackingId, to: BackingId) -> Result<(), EngineError> {
         self.inner.copy_backing(from, to)
     }
@@ -112,6 +115,8 @@ enum Op {
         suffix: u8,
         max_tokens: u8,
         stop_token: Option<u8>,
+        /// OpenAI's `n`: choices sharing the prompt's KV.
+        choices: u8,
     },
     Step(u8),
     /// Through the scheduler, by id.
@@ -148,14 +153,20 @@ fn setup() -> impl Strategy<Value = Setup> {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0u8..3, 0u8..40, 1u8..24, proptest::option::weighted(0.2, 3u8..200)).prop_map(
-            |(prefix, suffix, max_tokens, stop_token)| Op::Submit {
+        4 => (
+            0u8..3,
+            0u8..40,
+            1u8..24,
+            proptest::option::weighted(0.2, 3u8..200),
+            prop_oneof![3 => Just(1u8), 1 => 2u8..4],
+        )
+            .prop_map(|(prefix, suffix, max_tokens, stop_token, choices)| Op::Submit {
                 prefix,
                 suffix,
                 max_tokens,
                 stop_token,
-            }
-        ),
+                choices,
+            }),
         4 => (1u8..4).prop_map(Op::Step),
         1 => any::<Index>().prop_map(Op::Cancel),
         1 => any::<Index>().prop_map(Op::Drop),
@@ -237,7 +248,14 @@ impl World {
         }
     }
 
-    fn submit(&mut self, prefix: u8, suffix: u8, max_tokens: u8, stop_token: Option<u8>) {
+    fn submit(
+        &mut self,
+        prefix: u8,
+        suffix: u8,
+        max_tokens: u8,
+        stop_token: Option<u8>,
+        choices: u8,
+    ) {
         let opening = (0..40u32).map(|i| 3 + (i * 7 + prefix as u32 * 53) % 190);
         let rest = (0..suffix as u32).map(|i| 3 + (i * 13 + suffix as u32) % 190);
         let params = SamplingParams {
@@ -250,9 +268,11 @@ impl World {
             params,
         };
         // Refusals (a full queue, a request larger than the pool) are answers, not events.
-        if let Ok(stream) = self.scheduler.submit(request) {
-            self.ids.push(stream.id);
-            self.listeners.push(Listener { stream, ends: 0 });
+        if let Ok(streams) = self.scheduler.submit_choices(request, choices as usize) {
+            for stream in streams {
+                self.ids.push(stream.id);
+                self.listeners.push(Listener { stream, ends: 0 });
+            }
         }
     }
 
@@ -342,7 +362,8 @@ impl World {
                 suffix,
                 max_tokens,
                 stop_token,
-            } => self.submit(*prefix, *suffix, *max_tokens, *stop_token),
+                choices,
+            } => self.submit(*prefix, *suffix, *max_tokens, *stop_token, *choices),
             Op::Step(n) => self.run_steps(*n as usize),
             Op::Cancel(index) => {
                 if !self.ids.is_empty() {

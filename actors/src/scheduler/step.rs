@@ -4,9 +4,13 @@
 //! (cancelled jobs swept) and at its end (finished jobs removed, admitted ones appended), so the
 //! indices a draft holds stay valid in between.
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use cache::{CacheError, LookupHit, PoolStats, SaveReservation, SaveStart, SnapshotId};
+use cache::{
+    CacheError, LookupHit, PageClone, PoolStats, SaveReservation, SaveStart, SnapshotId,
+    page_clones,
+};
 use engine::backend::{LogitsWanted, RowPlan, StepPlan};
 use engine::sampling::Sampler;
 use policy::{BackoffStep, OnExhausted, ReservationPolicy};
@@ -18,7 +22,7 @@ use crate::exchange::{
     EngineStep, EngineStepReply, PoolOp, PoolReply, RestoreCopy, SampledTokens, SaveCopy, StoreOp,
     StoreReply,
 };
-use crate::request::FinishReason;
+use crate::request::{FinishReason, RequestId};
 
 /// A slice of one running job's tokens to compute this step.
 #[derive(Debug, Clone, Copy)]
@@ -74,6 +78,7 @@ enum PoolPurpose {
     Release,
     Extend(usize),
     Admit(usize),
+    Fork(usize),
 }
 
 /// What each store operation of phase 3 was for.
@@ -92,6 +97,12 @@ pub(super) struct Draft {
     /// Jobs taken from the queue to admit, with their lookup hit and the prompt tokens they
     /// run in this very step (their first chunk, allocated with the slot).
     candidates: Vec<(Job, Option<LookupHit>, usize)>,
+    /// Other choices of a request to admit with a copy of their first choice's prompt KV:
+    /// the job, the first choice's index in `running`, and whether the prompt's last token
+    /// runs in this step (else in the next).
+    forks: Vec<(Job, usize, bool)>,
+    /// The page copies of the forks admitted, with their job's index in `running`.
+    fork_copies: Vec<(usize, Vec<PageClone>)>,
     /// Prompt tokens the step may still take: what admitted jobs' first chunks share.
     prefill_left: usize,
     pool_purposes: Vec<PoolPurpose>,
@@ -141,12 +152,33 @@ impl Scheduler {
             .collect();
         draft.follow_ups = ops.len();
         let free_slots = self.config.max_running.saturating_sub(self.running.len());
-        let mut waiting = std::collections::VecDeque::new();
+        let mut waiting = VecDeque::new();
         let mut available = self.available_pages;
-        while draft.candidates.len() < free_slots {
+        while draft.candidates.len() + draft.forks.len() < free_slots {
             let Some(mut job) = self.queue.pop_front() else {
                 break;
             };
+            if let Some(first) = job.fork_of {
+                match self.fork_source(first, job.tokens.len(), &waiting, &draft) {
+                    ForkSource::Wait => {
+                        waiting.push_back(job);
+                        continue;
+                    }
+                    ForkSource::From(leader) => {
+                        let pages = self.admission_pages(&job);
+                        if pages > available {
+                            waiting.push_back(job);
+                            break;
+                        }
+                        available -= pages;
+                        let runs_now = draft.prefill_left > 0;
+                        draft.prefill_left -= runs_now as usize;
+                        draft.forks.push((job, leader, runs_now));
+                        continue;
+                    }
+                    ForkSource::Gone => job.fork_of = None,
+                }
+            }
             if !job.ready(now) {
                 waiting.push_back(job);
                 continue;
@@ -163,12 +195,52 @@ impl Scheduler {
         }
         waiting.extend(self.queue.drain(..));
         self.queue = waiting;
-        if draft.candidates.is_empty() && self.queue.is_empty() {
+        if draft.candidates.is_empty() && draft.forks.is_empty() && self.queue.is_empty() {
             self.plan_decode_steps(&mut draft.rows);
         }
-        draft.changes += ops.len();
+        draft.changes += ops.len() + draft.forks.len();
         self.draft = Some(draft);
         ops
+    }
+
+    /// Where a choice waiting to fork from the request's first choice `first` (for a prompt of
+    /// `prompt_len` tokens) stands: the first choice runs with the prompt's KV computed up to
+    /// its last token (restores landed), or is still on its way there (queued, admitted this
+    /// step, or computing the prompt), or is gone.
+    fn fork_source(
+        &self,
+        first: RequestId,
+        prompt_len: usize,
+        waiting: &VecDeque<Job>,
+        draft: &Draft,
+    ) -> ForkSource {
+        if let Some(index) = self.running.iter().position(|j| j.id == first) {
+            let leader = &self.running[index];
+            return if leader.restoring.is_none() && leader.computed + 1 >= prompt_len {
+                ForkSource::From(index)
+            } else {
+                ForkSource::Wait
+            };
+        }
+        let queued = self
+            .queue
+            .iter()
+            .chain(waiting)
+            .chain(draft.candidates.iter().map(|(job, ..)| job))
+            .any(|j| j.id == first);
+        if queued {
+            ForkSource::Wait
+        } else {
+            ForkSource::Gone
+        }
+    }
+
+    /// Lets the choices waiting to fork from `first`, which has ended, compute their prompt
+    /// themselves.
+    pub(super) fn release_forks(&mut self, first: RequestId) {
+        for job in self.queue.iter_mut().filter(|j| j.fork_of == Some(first)) {
+            job.fork_of = None;
+        }
     }
 
     /// With `decode_steps` above 1 and nothing waiting, lets every row run several decode
@@ -233,6 +305,7 @@ impl Scheduler {
             }
             let mut job = self.running.remove(index);
             swept += 1;
+            self.release_forks(job.id);
             if let Some(slot) = job.slot.take() {
                 self.releases.push(slot.handle);
             }
@@ -255,10 +328,12 @@ impl Scheduler {
         }
         let before = self.queue.len();
         let stats = &mut self.stats;
+        let mut gone = Vec::new();
         self.queue.retain(|job| {
             if !job.abandoned() {
                 return true;
             }
+            gone.push(job.id);
             // A preempted job waits here with text already sent: its caller may have stopped it.
             if job.stopped_by_caller() {
                 stats.finished += 1;
@@ -267,6 +342,9 @@ impl Scheduler {
             }
             false
         });
+        for id in gone {
+            self.release_forks(id);
+        }
         swept + before - self.queue.len()
     }
 
@@ -378,6 +456,14 @@ impl Scheduler {
             });
             draft.pool_purposes.push(PoolPurpose::Admit(c));
         }
+        for (f, (job, _, runs_now)) in draft.forks.iter().enumerate() {
+            ops.push(PoolOp::Admit {
+                prompt_tokens: job.tokens.len(),
+                max_new_tokens: job.max_new - job.generated(),
+                initial_tokens: job.tokens.len() - 1 + *runs_now as usize,
+            });
+            draft.pool_purposes.push(PoolPurpose::Fork(f));
+        }
         draft.changes += ops.len();
         self.draft = Some(draft);
         ops
@@ -401,6 +487,11 @@ impl Scheduler {
         let candidates = std::mem::take(&mut draft.candidates);
         let mut candidates: Vec<Option<(Job, Option<LookupHit>, usize)>> =
             candidates.into_iter().map(Some).collect();
+        let mut forks: Vec<Option<(Job, usize, bool)>> = std::mem::take(&mut draft.forks)
+            .into_iter()
+            .map(Some)
+            .collect();
+        let mut forked = Vec::new();
         for (purpose, reply) in purposes.into_iter().zip(replies) {
             match (purpose, reply) {
                 (PoolPurpose::Release, PoolReply::Released(result)) => {
@@ -437,6 +528,22 @@ impl Scheduler {
                         Err(_) => refused.push(job),
                     }
                 }
+                (PoolPurpose::Fork(f), PoolReply::Admitted(result)) => {
+                    let (job, leader, runs_now) =
+                        forks[f].take().expect("each fork is admitted once");
+                    match result {
+                        Ok((handle, pages)) => {
+                            let slot = Slot {
+                                handle,
+                                held_tokens: job.tokens.len() - 1 + runs_now as usize,
+                                pages,
+                            };
+                            forked.push((job, leader, runs_now, slot));
+                        }
+                        // Never a pool too small: the first choice, as large, fits.
+                        Err(_) => refused.push(job),
+                    }
+                }
                 (purpose, reply) => unreachable!("pool answered {reply:?} to {purpose:?}"),
             }
         }
@@ -446,6 +553,9 @@ impl Scheduler {
         let mut ops: Vec<StoreOp> = Vec::new();
         for (job, hit, first, slot) in admitted {
             self.admit(job, hit, first, slot, &mut draft, &mut ops);
+        }
+        for (job, leader, runs_now, slot) in forked {
+            self.admit_fork(job, leader, runs_now, slot, &mut draft);
         }
         self.plan_saves(&mut draft, &mut ops);
         draft.changes += ops.len();
@@ -546,6 +656,45 @@ impl Scheduler {
         self.running.push(job);
     }
 
+    /// A choice that got a slot to fork into: the copy of its first choice's prompt KV but
+    /// the last token's is planned for this step, before the forward pass, and that last
+    /// token runs after it (this step when `runs_now`, else the next), for its own logits.
+    fn admit_fork(
+        &mut self,
+        mut job: Job,
+        leader: usize,
+        runs_now: bool,
+        slot: Slot,
+        draft: &mut Draft,
+    ) {
+        let copied = job.tokens.len() - 1;
+        let pages = copied.div_ceil(self.config.page_tokens);
+        let source = &self.running[leader]
+            .slot
+            .as_ref()
+            .expect("running jobs hold a slot")
+            .pages;
+        let clones = page_clones(pages, source, &slot.pages)
+            .expect("both page tables hold the prompt's positions");
+        let index = self.running.len();
+        draft.fork_copies.push((index, clones));
+        job.computed = copied;
+        job.fork_of = None;
+        if runs_now {
+            draft.rows.push(Row {
+                job: index,
+                start: copied,
+                end: copied + 1,
+                steps: 1,
+                live: true,
+            });
+        }
+        job.slot = Some(slot);
+        job.blocked_until = None;
+        self.stats.forked_tokens += copied as u64;
+        self.running.push(job);
+    }
+
     /// Charges a snapshot of each prompt completed this step and of each job being preempted.
     fn plan_saves(&mut self, draft: &mut Draft, ops: &mut Vec<StoreOp>) {
         let pt = self.config.page_tokens;
@@ -585,6 +734,11 @@ impl Scheduler {
         let mut step = EngineStep {
             evictions: Vec::new(),
             restores: Vec::new(),
+            forks: draft
+                .fork_copies
+                .iter_mut()
+                .map(|(_, clones)| std::mem::take(clones))
+                .collect(),
             plan: StepPlan::default(),
             samplers: Vec::new(),
             row_steps: Vec::new(),
@@ -636,6 +790,7 @@ impl Scheduler {
         }
         let idle = step.plan.rows.is_empty()
             && step.restores.is_empty()
+            && step.forks.is_empty()
             && step.saves.is_empty()
             && step.evictions.is_empty();
         self.draft = Some(draft);
@@ -770,6 +925,13 @@ impl Scheduler {
                 ));
             }
         }
+        for (&(index, _), result) in draft.fork_copies.iter().zip(reply.forks) {
+            if let Err(e) = result {
+                let reason =
+                    format!("copying the prompt's KV from the request's first choice: {e}");
+                ended.push((index, End::Failed(ServeError::Engine(reason))));
+            }
+        }
         // A gone engine will report nothing more: stop asking.
         self.demotions_in_flight = if reply.engine_gone {
             0
@@ -835,6 +997,11 @@ impl Scheduler {
         );
         for (p, &r) in draft.sent_rows.iter().enumerate() {
             let row = draft.rows[r];
+            if ended.iter().any(|(index, _)| *index == row.job) {
+                // Its KV did not arrive (a failed restore or fork): what it sampled is not
+                // delivered.
+                continue;
+            }
             let tokens = sampled.row(p);
             // Each decode step after the first computed the token the one before sampled.
             self.running[row.job].computed = row.end + tokens.len().saturating_sub(1);
@@ -910,6 +1077,7 @@ impl Scheduler {
     }
 
     fn end(&mut self, job: Job, end: End, now: Instant) {
+        self.release_forks(job.id);
         let latency = now.saturating_duration_since(job.submitted_at);
         self.latency_ewma = (self.latency_ewma * 7 + latency) / 8;
         match end {
@@ -922,6 +1090,7 @@ impl Scheduler {
     }
 
     fn end_failed(&mut self, job: Job, error: ServeError) {
+        self.release_forks(job.id);
         self.stats.failed += 1;
         job.fail(error);
     }
@@ -936,6 +1105,16 @@ fn resume_at(job: &Job, restored: usize) -> usize {
 /// Positions a new slot is allocated with: the restored prefix and the first chunk after it.
 fn initial_tokens(job: &Job, restored: usize, first: usize) -> usize {
     restored.max(resume_at(job, restored) + first)
+}
+
+/// Where a choice waiting to fork stands (see [`Scheduler::fork_source`]).
+enum ForkSource {
+    /// Its first choice runs, at this index, with the prompt's KV in its pages.
+    From(usize),
+    /// Its first choice is on its way there.
+    Wait,
+    /// Its first choice has ended: it computes the prompt itself.
+    Gone,
 }
 
 /// How a running job ends this step.

@@ -459,3 +459,113 @@ fn a_drain_refuses_new_requests_and_lets_the_running_finish() {
     drive_to_the_end(&mut h, std::slice::from_mut(&mut a), 100);
     assert_eq!(h.scheduler.stats().finished, 1);
 }
+
+/// Submits `n` seeded choices of one 40-token prompt (two and a half pages, so the copy takes a
+/// partly filled page too), sampling at temperature 1 so that the choices differ.
+fn submit_choices(h: &mut Harness, n: usize, seed: u64) -> Vec<RequestStream> {
+    let prompt = (0..40u32).map(|i| 3 + (i * 11) % 200).collect();
+    let params = SamplingParams {
+        max_tokens: 12,
+        temperature: 1.0,
+        seed: Some(seed),
+        ..SamplingParams::default()
+    };
+    h.scheduler
+        .submit_choices(GenerateRequest { prompt, params }, n)
+        .unwrap()
+}
+
+/// The (start, token count) of each row of each step.
+type StepRows = Vec<Vec<(usize, usize)>>;
+
+/// Steps until every stream has ended; returns each stream's tokens and the rows of every step.
+fn run_choices(h: &mut Harness, streams: &mut [RequestStream]) -> (Vec<Vec<u32>>, StepRows) {
+    let mut out = vec![Vec::new(); streams.len()];
+    let mut done = vec![false; streams.len()];
+    let mut steps = Vec::new();
+    for _ in 0..100 {
+        steps.push(h.step());
+        for ((stream, out), done) in streams.iter_mut().zip(&mut out).zip(&mut done) {
+            let (tokens, end) = tokens(stream);
+            out.extend(tokens);
+            if let Some(end) = end {
+                assert!(matches!(end, Event::Finished { .. }), "{end:?}");
+                *done = true;
+            }
+        }
+        if done.iter().all(|&d| d) {
+            return (out, steps);
+        }
+    }
+    panic!("choices still running after 100 steps");
+}
+
+#[test]
+fn choices_compute_the_prompt_once_and_draw_what_lone_requests_with_their_seeds_draw() {
+    let mut h = Harness::new(64, "");
+    let mut streams = submit_choices(&mut h, 3, 11);
+    let (choices, steps) = run_choices(&mut h, &mut streams);
+    assert_eq!(
+        steps[0],
+        vec![(0, 40)],
+        "the first choice computes the prompt"
+    );
+    assert_eq!(
+        steps[1],
+        vec![(40, 1), (39, 1), (39, 1)],
+        "the others copy its KV and run only the prompt's last token"
+    );
+    let prompt_tokens: usize = steps
+        .iter()
+        .flatten()
+        .filter(|&&(start, _)| start < 40)
+        .map(|&(_, n)| n)
+        .sum();
+    assert_eq!(prompt_tokens, 42);
+    assert_eq!(h.scheduler.stats().forked_tokens, 2 * 39);
+    h.step();
+    assert_eq!(h.pool.stats().used_pages, 0);
+    for (i, choice) in choices.iter().enumerate() {
+        let mut alone = Harness::new(64, "");
+        let mut stream = submit_choices(&mut alone, 1, 11 + i as u64);
+        let (lone, _) = run_choices(&mut alone, &mut stream);
+        assert_eq!(
+            choice,
+            &lone[0],
+            "choice {i} and a lone request seeded {}",
+            11 + i
+        );
+    }
+    assert!(
+        choices[0] != choices[1] || choices[1] != choices[2],
+        "three seeds drew one text: {choices:?}"
+    );
+}
+
+#[test]
+fn choices_whose_first_ended_before_they_could_copy_compute_the_prompt_themselves() {
+    // One running slot: the other choices wait for it, and the first choice ends (and gives up
+    // its pages) before they can be admitted.
+    let mut h = Harness::new(64, "[admission]\nmax_running = 1\n");
+    let mut streams = submit_choices(&mut h, 2, 5);
+    let (choices, steps) = run_choices(&mut h, &mut streams);
+    assert!(
+        steps.iter().flatten().filter(|&&r| r == (0, 40)).count() == 2,
+        "each choice computed the prompt: {steps:?}"
+    );
+    assert_eq!(h.scheduler.stats().forked_tokens, 0);
+    assert_eq!(choices.iter().map(Vec::len).collect::<Vec<_>>(), [12, 12]);
+    h.step();
+    assert_eq!(h.pool.stats().used_pages, 0);
+}
+
+#[test]
+fn dropping_the_first_choice_before_it_runs_lets_the_others_go_alone() {
+    let mut h = Harness::new(64, "");
+    let mut streams = submit_choices(&mut h, 3, 5);
+    drop(streams.remove(0));
+    let (choices, _) = run_choices(&mut h, &mut streams);
+    assert_eq!(choices.iter().map(Vec::len).collect::<Vec<_>>(), [12, 12]);
+    h.step();
+    assert_eq!(h.pool.stats().used_pages, 0);
+}

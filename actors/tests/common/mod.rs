@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use actors::{Completion, Event, FinishReason, GenerateRequest, Handles, ServeConfig};
-use cache::{BackingId, PageCopy, Tier};
+use cache::{BackingId, PageClone, PageCopy, Tier};
 use engine::backend::{Backend, BackendInfo, MemoryReport, StepOutput, StepPlan};
 use engine::cpu::{CpuBackend, CpuOptions};
 use engine::generate::{Vocabulary, generate};
@@ -229,6 +229,10 @@ impl Backend for FailingBackend {
         copies: &[PageCopy],
     ) -> Result<(), EngineError> {
         self.inner.restore_pages(backing, copies)
+    }
+
+    fn clone_pages(&mut self, clones: &[PageClone]) -> Result<(), EngineError> {
+        self.inner.clone_pages(clones)
     }
 
     fn copy_backing(&mut self, from: BackingId, to: BackingId) -> Result<(), EngineError> {

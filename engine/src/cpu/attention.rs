@@ -72,6 +72,15 @@ impl KvPages {
         }
     }
 
+    /// Copies page `from` into page `to`, every layer's K and V.
+    pub fn clone_page(&mut self, from: PageId, to: PageId) {
+        let n = self.page_elems();
+        let (src, dst) = (from.index() * n, to.index() * n);
+        for block in self.k.iter_mut().chain(self.v.iter_mut()) {
+            block.copy_within(src..src + n, dst);
+        }
+    }
+
     pub fn bytes(&self) -> u64 {
         (self.k.iter().chain(&self.v).map(Vec::len).sum::<usize>() * 4) as u64
     }

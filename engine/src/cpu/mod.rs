@@ -14,7 +14,7 @@ mod weights;
 
 use std::collections::HashMap;
 
-use cache::{BackingId, KvGeometry, PageCopy, Tier};
+use cache::{BackingId, KvGeometry, PageClone, PageCopy, Tier};
 
 use crate::backend::{Backend, BackendInfo, LogitsWanted, MemoryReport, StepOutput, StepPlan};
 use crate::error::{EngineError, Result};
@@ -257,6 +257,22 @@ impl Backend for CpuBackend {
         for copy in copies {
             let at = copy.snapshot_page as usize * page;
             self.kv.write_page(copy.pool_page, &data[at..at + page]);
+        }
+        Ok(())
+    }
+
+    fn clone_pages(&mut self, clones: &[PageClone]) -> Result<()> {
+        let pages = self.info.num_pages;
+        if let Some(bad) = clones
+            .iter()
+            .find(|c| c.from.index() >= pages || c.to.index() >= pages || c.from == c.to)
+        {
+            return Err(EngineError::InvalidStep(format!(
+                "page clone {bad:?} is out of range or onto itself ({pages} pages)"
+            )));
+        }
+        for clone in clones {
+            self.kv.clone_page(clone.from, clone.to);
         }
         Ok(())
     }

@@ -182,6 +182,7 @@ pub struct Kernels {
     sample_rows: CudaFunction,
     gather_pages: CudaFunction,
     scatter_pages: CudaFunction,
+    clone_pages: CudaFunction,
     unpack_step: CudaFunction,
     fill_uniform_bf16: CudaFunction,
     device: Arc<Device>,
@@ -224,6 +225,7 @@ impl Kernels {
             sample_rows: f("sample_rows")?,
             gather_pages: f("gather_pages")?,
             scatter_pages: f("scatter_pages")?,
+            clone_pages: f("clone_pages")?,
             unpack_step: f("unpack_step")?,
             fill_uniform_bf16: f("fill_uniform_bf16")?,
             device: device.clone(),
@@ -499,6 +501,18 @@ impl Kernels {
             .u32(a.layers as u32);
         let grid = (a.count as u32, 2 * a.layers as u32, 1);
         self.device.launch(func, grid, THREADS, &args)
+    }
+
+    /// Copies pool pages onto other pool pages: `a.copies` holds `a.count` (from, to) pairs
+    /// (`a.snapshot` is unused).
+    pub fn clone_pages(&self, a: &PageCopies) -> Result<()> {
+        let args = Args::new()
+            .ptr(a.pool)
+            .ptr(a.copies)
+            .u32(a.pages_total as u32)
+            .u32((a.page_bytes / 16) as u32);
+        let grid = (a.count as u32, 2 * a.layers as u32, 1);
+        self.device.launch(&self.clone_pages, grid, THREADS, &args)
     }
 
     /// Spreads a step's metadata blob into its typed buffers.

@@ -39,7 +39,7 @@ mod kernel_tests;
 
 use std::sync::Arc;
 
-use cache::{BackingId, KvGeometry, PageCopy, Tier};
+use cache::{BackingId, KvGeometry, PageClone, PageCopy, Tier};
 pub use policy::PoolSize;
 use policy::{AdmissionPolicy, CachePolicy, EngineConfig, SnapshotPolicy};
 
@@ -588,6 +588,17 @@ impl Backend for CudaBackend {
 
     fn restore_pages(&mut self, backing: BackingId, copies: &[PageCopy]) -> Result<()> {
         self.copy_pages(backing, copies, false)
+    }
+
+    fn clone_pages(&mut self, clones: &[PageClone]) -> Result<()> {
+        self.device.bind()?;
+        let pool = PoolPages {
+            pool: &self.pool,
+            pages: self.info.num_pages,
+            page_bytes: self.info.geometry.page_bytes(),
+            layers: self.config.num_layers,
+        };
+        self.backings.clone_pages(&self.kernels, &pool, clones)
     }
 
     fn copy_backing(&mut self, from: BackingId, to: BackingId) -> Result<()> {

@@ -29,7 +29,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use cache::{BackingId, PageCopy, Tier};
+use cache::{BackingId, PageClone, PageCopy, Tier};
 use cudarc::driver::sys::{self, CUevent};
 use cudarc::driver::{CudaStream, DriverError, result};
 
@@ -477,6 +477,39 @@ impl Backings {
             layers: pool.layers,
         };
         kernels.copy_pages(&args, save)
+    }
+
+    /// Copies pool pages onto other pool pages, every layer's K and V.
+    pub fn clone_pages(
+        &mut self,
+        kernels: &Kernels,
+        pool: &PoolPages,
+        clones: &[PageClone],
+    ) -> Result<()> {
+        if let Some(bad) = clones
+            .iter()
+            .find(|c| c.from.index() >= pool.pages || c.to.index() >= pool.pages || c.from == c.to)
+        {
+            return Err(EngineError::InvalidStep(format!(
+                "page clone {bad:?} is out of range or onto itself ({} pages)",
+                pool.pages
+            )));
+        }
+        if clones.is_empty() {
+            return Ok(());
+        }
+        let list: Vec<u32> = clones.iter().flat_map(|c| [c.from.0, c.to.0]).collect();
+        let list_ptr = self.upload_list(&list)?;
+        let args = PageCopies {
+            pool: pool.pool.base(),
+            snapshot: pool.pool.base(),
+            copies: list_ptr,
+            count: clones.len(),
+            pages_total: pool.pool.pages_total(),
+            page_bytes: pool.pool.page_elems() * 2,
+            layers: pool.layers,
+        };
+        kernels.clone_pages(&args)
     }
 
     /// Copies the list of page pairs to the device, growing its buffer when needed.
