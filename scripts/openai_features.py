@@ -6,8 +6,9 @@
 
 Checks models.retrieve, json_schema structured output (parsed and checked field by field),
 json_object, logprobs/top_logprobs (whole and streamed), forced and named tool calls (whole,
-and streamed as the SDK assembles them), a tool result sent back, and logit_bias. Prints one
-line per check and exits non-zero on any mismatch.
+and streamed as the SDK assembles them), a tool result sent back, logit_bias, and n choices
+(whole and streamed; each what a lone request with its seed draws). Prints one line per check
+and exits non-zero on any mismatch.
 """
 
 import argparse
@@ -155,6 +156,28 @@ def main():
     )
     check("logit_bias forces a token",
           biased.choices[0].text != plain.choices[0].text, f"{biased.choices[0].text!r}")
+
+    several = client.chat.completions.create(
+        model=model, messages=ask, n=3, seed=7, temperature=1.0, max_tokens=12,
+    )
+    lone = [
+        client.chat.completions.create(
+            model=model, messages=ask, seed=7 + i, temperature=1.0, max_tokens=12,
+        ).choices[0].message.content
+        for i in range(3)
+    ]
+    check("n = 3 choices, each what its seed draws alone",
+          [c.index for c in several.choices] == [0, 1, 2]
+          and [c.message.content for c in several.choices] == lone,
+          f"{[c.message.content for c in several.choices]} vs {lone}")
+    streamed = client.chat.completions.create(
+        model=model, messages=ask, n=2, seed=7, temperature=1.0, max_tokens=12, stream=True,
+    )
+    texts = ["", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    check("n = 2 streamed, chunks by index", texts == lone[:2], f"{texts} vs {lone[:2]}")
 
     print(f"{len(failures)} failed" if failures else "all passed")
     return 1 if failures else 0
