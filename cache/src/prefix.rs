@@ -6,26 +6,28 @@
 //! never hashed: snapshots are page-aligned. This module never looks anything up.
 //!
 //! The function is SHA-256 of (parent hash, the page's tokens as little-endian `u32`), truncated
-//! to 64 bits. Not FNV or xxHash: prompts are user input, and with a non-cryptographic hash a
+//! to 128 bits. Not FNV or xxHash: prompts are user input, and with a non-cryptographic hash a
 //! tenant can build a page that collides with another tenant's prefix and be served that
-//! tenant's KV (vLLM GHSA-rm76-4mrf-v9r8; vLLM made SHA-256 its default in v0.10.2). Truncated
-//! SHA-256 keeps a second preimage at 2^64 work. Hashing is done once per request, off the
-//! per-step path, at about 140 ns a 16-token page (BENCHMARKS.md); lookups only compare the
-//! 64-bit values. The salt's fields are tagged and length-prefixed so that a model name can
+//! tenant's KV (vLLM GHSA-rm76-4mrf-v9r8; vLLM made SHA-256 its default in v0.10.2). A hit is
+//! taken on the hash alone, so it must be as good as comparing the tokens: at 128 bits a second
+//! preimage costs 2^128 work and any collision at all 2^64, far beyond what a server ever
+//! hashes (64 bits would leave an accidental collision at 2^32 pages within reach of a fleet's
+//! lifetime). Hashing is done once per request, off the per-step path, at about 140 ns a
+//! 16-token page (BENCHMARKS.md); lookups only compare the 128-bit values. The salt's fields are tagged and length-prefixed so that a model name can
 //! never be mistaken for an adapter name.
 
 use sha2::{Digest, Sha256};
 
 /// The hash of one page-aligned prefix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct PrefixHash(pub u64);
+pub struct PrefixHash(pub u128);
 
 /// What makes the same tokens mean different KV: the model and the adapter. It seeds every
 /// chain, so snapshots of one model are never found for another.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct PrefixSalt(pub u64);
+pub struct PrefixSalt(pub u128);
 
-const DOMAIN: &[u8] = b"snapserve prefix chain v1";
+const DOMAIN: &[u8] = b"snapserve prefix chain v2";
 
 impl PrefixSalt {
     /// The salt for `model` (a name or content digest) with an optional adapter.
@@ -46,11 +48,11 @@ fn absorb_field(hasher: &mut Sha256, tag: u8, bytes: &[u8]) {
     hasher.update(bytes);
 }
 
-fn truncate(hasher: Sha256) -> u64 {
+fn truncate(hasher: Sha256) -> u128 {
     let digest = hasher.finalize();
-    let mut head = [0u8; 8];
-    head.copy_from_slice(&digest[..8]);
-    u64::from_le_bytes(head)
+    let mut head = [0u8; 16];
+    head.copy_from_slice(&digest[..16]);
+    u128::from_le_bytes(head)
 }
 
 /// Hashes token sequences into chains, one hash per full page.
@@ -93,7 +95,7 @@ impl PrefixHasher {
     }
 }
 
-fn page_hash(parent: u64, page: &[u32]) -> u64 {
+fn page_hash(parent: u128, page: &[u32]) -> u128 {
     let mut hasher = Sha256::new();
     hasher.update(parent.to_le_bytes());
     for token in page {
@@ -158,5 +160,8 @@ mod tests {
         assert_eq!(h.chain(&[1, 2]), vec![PrefixHash(STABLE_FIRST_PAGE)]);
     }
 
-    const STABLE_FIRST_PAGE: u64 = 10_113_492_102_850_860_943;
+    /// From Python's hashlib, independently of this code: the salt is SHA-256 of the domain,
+    /// `b"m"`, the name's length as a little-endian u64 and `b"m"`, cut to 16 bytes; the page
+    /// hash is SHA-256 of those 16 bytes and tokens 1 and 2 as little-endian u32, cut alike.
+    const STABLE_FIRST_PAGE: u128 = 154_561_118_366_127_818_232_513_244_673_848_029_572;
 }

@@ -76,7 +76,7 @@ mod tests {
 
     fn chain(seed: u64, pages: usize) -> Vec<PrefixHash> {
         (0..pages as u64)
-            .map(|p| PrefixHash(seed << 32 | p))
+            .map(|p| PrefixHash(u128::from(seed << 32 | p)))
             .collect()
     }
 
