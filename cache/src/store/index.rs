@@ -30,8 +30,8 @@ use std::hash::{BuildHasherDefault, Hasher};
 use crate::ids::SnapshotId;
 use crate::prefix::PrefixHash;
 
-/// A map keyed by a `u64` newtype. Prefix hashes are already uniform and snapshot ids are
-/// sequential, so one multiply spreads both; SipHash's resistance to chosen keys buys nothing.
+/// A map keyed by an integer newtype (`u64` ids, `u128` prefix hashes). Prefix hashes are
+/// already uniform and snapshot ids are sequential, so a multiply per word spreads both; SipHash's resistance to chosen keys buys nothing.
 pub(crate) type U64Map<K, V> = HashMap<K, V, BuildHasherDefault<U64Hasher>>;
 pub(crate) type U64Set<K> = HashSet<K, BuildHasherDefault<U64Hasher>>;
 
@@ -51,6 +51,11 @@ impl Hasher for U64Hasher {
 
     fn write_u64(&mut self, value: u64) {
         self.0 = (self.0.rotate_left(5) ^ value).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    fn write_u128(&mut self, value: u128) {
+        self.write_u64(value as u64);
+        self.write_u64((value >> 64) as u64);
     }
 }
 
