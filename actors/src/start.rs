@@ -108,6 +108,7 @@ pub fn build(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Parts, Se
         backoff: policies.backoff.clone(),
         save_prompts: policies.snapshots.save_prompts(),
         min_save_tokens: policies.snapshots.min_save_tokens(),
+        save_replies: policies.snapshots.save_replies(),
         save_tier: Tier::Device,
         salt: PrefixSalt::new(&config.model_id, None),
         seed: config.seed,

@@ -109,6 +109,10 @@ pub struct SnapshotConfig {
     pub save_prompts: bool,
     /// Prompts shorter than this are not saved (their prefill is cheap).
     pub min_save_tokens: usize,
+    /// When a request whose prompt was saved or restored finishes, save its prompt and reply
+    /// as well, so the next turn of a conversation restores everything before its new
+    /// message. (A request whose prompt nobody has shown again leaves nothing behind.)
+    pub save_replies: bool,
     /// A prompt's prefix is saved once this many requests have shown it: 1 saves every
     /// prompt, 2 waits for a repeat (the whole prompt) or a shared opening (a prefix at a
     /// 256-token stride boundary). Unset: [`DEFAULT_SAVE_AFTER_SIGHTINGS_GPU`] on a GPU,
@@ -203,6 +207,7 @@ impl Default for SnapshotConfig {
             demote_to_host: false,
             save_prompts: true,
             min_save_tokens: 64,
+            save_replies: true,
             save_after_sightings: None,
         }
     }
@@ -289,6 +294,7 @@ pub struct SnapshotPolicy {
     demote_to_host: bool,
     save_prompts: bool,
     min_save_tokens: usize,
+    save_replies: bool,
     save_after_sightings: Option<u32>,
 }
 
@@ -310,6 +316,9 @@ impl SnapshotPolicy {
     }
     pub fn min_save_tokens(&self) -> usize {
         self.min_save_tokens
+    }
+    pub fn save_replies(&self) -> bool {
+        self.save_replies
     }
     /// The configured sightings before a prompt is saved, or the backend's default.
     pub fn save_after_sightings(&self, on_gpu: bool) -> u32 {
@@ -527,6 +536,7 @@ impl SnapshotConfig {
             demote_to_host: self.demote_to_host,
             save_prompts: self.save_prompts,
             min_save_tokens: self.min_save_tokens,
+            save_replies: self.save_replies,
             save_after_sightings: self.save_after_sightings,
         })
     }

@@ -264,10 +264,22 @@ impl Server {
     }
 
     /// Nothing queued, running or holding a page.
+    /// Whether nothing is queued, running or holding pages, within 2 s: a finished request
+    /// may hold its pages a step or two longer, to save its reply.
     pub fn is_idle(&self) -> bool {
-        self.metric("snapserve_queue_requests") == 0.0
-            && self.metric("snapserve_running_requests") == 0.0
-            && self.metric("snapserve_kv_pool_pages{state=\"used\"}") == 0.0
+        let idle = |s: &Server| {
+            s.metric("snapserve_queue_requests") == 0.0
+                && s.metric("snapserve_running_requests") == 0.0
+                && s.metric("snapserve_kv_pool_pages{state=\"used\"}") == 0.0
+        };
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while !idle(self) {
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        true
     }
 
     pub fn sigterm(&self) {

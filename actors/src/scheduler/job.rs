@@ -47,6 +47,11 @@ pub(crate) struct Job {
     /// A restore into its pages is in flight this step.
     pub restoring: Option<SnapshotId>,
     pub prompt_saved: bool,
+    /// Its prompt is in the store: saved by it, or found already stored.
+    pub prompt_stored: bool,
+    /// Finished (its terminal event sent), its pages held one more step to save its prompt
+    /// and reply for the conversation's next turn, then released.
+    pub closing: bool,
     /// Another choice of the same request (`n` > 1), waiting to take the prompt's KV from the
     /// first choice, this job, once that one has computed it. Cleared when it forks, or when
     /// the first choice is gone and it must compute the prompt itself.
@@ -88,6 +93,8 @@ impl Job {
             blocked_until: None,
             restoring: None,
             prompt_saved: false,
+            prompt_stored: false,
+            closing: false,
             fork_of: None,
             cancelled: false,
             cut: false,
@@ -120,6 +127,7 @@ impl Job {
     pub fn ready(&self, now: Instant) -> bool {
         self.restoring.is_none()
             && self.fork_of.is_none()
+            && !self.closing
             && self.blocked_until.is_none_or(|t| t <= now)
     }
 
@@ -148,6 +156,11 @@ impl Job {
     }
 
     pub fn finish(self, reason: FinishReason) {
+        self.announce_finish(reason);
+    }
+
+    /// Sends the caller the finished event, the job staying on (to save its reply).
+    pub fn announce_finish(&self, reason: FinishReason) {
         let usage = Usage {
             completion_tokens: self.generated(),
             ..self.usage

@@ -61,6 +61,8 @@ pub struct SchedulerConfig {
     pub backoff: BackoffPolicy,
     pub save_prompts: bool,
     pub min_save_tokens: usize,
+    /// Save a finished request's prompt and reply when its prompt was saved or restored.
+    pub save_replies: bool,
     pub save_tier: Tier,
     pub salt: PrefixSalt,
     /// Seeds back-off jitter, so tests replay exactly.
@@ -191,7 +193,8 @@ impl Scheduler {
     pub fn stats(&self) -> SchedulerStats {
         SchedulerStats {
             queued: self.queue.len(),
-            running: self.running.len(),
+            // Finished jobs saving their reply are no longer requests in flight.
+            running: self.running.iter().filter(|j| !j.closing).count(),
             ..self.stats
         }
     }
@@ -337,10 +340,9 @@ impl Scheduler {
     /// Whether a step could do something now, and else when one could.
     pub fn readiness(&self, now: Instant) -> (bool, Option<Instant>) {
         let pending_work = !self.releases.is_empty() || !self.follow_ups.is_empty();
-        let runnable = self
-            .running
-            .iter()
-            .any(|j| j.cancelled || j.cut || j.abandoned() || (j.ready(now) && j.pending() > 0));
+        let runnable = self.running.iter().any(|j| {
+            j.closing || j.cancelled || j.cut || j.abandoned() || (j.ready(now) && j.pending() > 0)
+        });
         let admissible =
             self.running.len() < self.config.max_running && self.next_admission_fits(now);
         let abandoned = self.queue.iter().any(Job::abandoned);

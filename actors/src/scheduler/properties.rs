@@ -389,7 +389,9 @@ impl World {
         self.fail_next.store(false, Ordering::SeqCst);
         for _ in 0..2000 {
             let stats = self.scheduler.stats();
-            if stats.queued + stats.running == 0 && self.scheduler.demotions_in_flight == 0 {
+            // `running` holds finished jobs saving their reply too, until they are released.
+            let closing = self.scheduler.running.len();
+            if stats.queued + closing == 0 && self.scheduler.demotions_in_flight == 0 {
                 // One more step hands the store the outcomes of the last.
                 self.step();
                 return;

@@ -48,6 +48,8 @@ impl Row {
 enum SaveKind {
     Prompt,
     Preemption,
+    /// A finished request's prompt and reply, for the conversation's next turn.
+    Reply,
 }
 
 /// A store change that waits for the next step, once the engine has done its part.
@@ -111,6 +113,8 @@ pub(super) struct Draft {
     preempting: Vec<usize>,
     /// Running jobs that end this step without running (context full, `on_exhausted = fail`).
     failing: Vec<(usize, ServeError)>,
+    /// Finished jobs whose reply save is over (made or not): released this step.
+    closed: Vec<usize>,
     restores: Vec<(usize, SnapshotId)>,
     saves: Vec<(usize, SaveKind, SaveReservation)>,
     /// Plan row index to draft row index, for the rows sent to the engine.
@@ -299,7 +303,8 @@ impl Scheduler {
         let mut index = 0;
         while index < self.running.len() {
             let job = &self.running[index];
-            if !(job.cancelled || job.cut || job.abandoned()) {
+            // A finished job saving its reply is past its caller (who has gone, often).
+            if job.closing || !(job.cancelled || job.cut || job.abandoned()) {
                 index += 1;
                 continue;
             }
@@ -717,12 +722,17 @@ impl Scheduler {
                 wanted.push((index, pages, SaveKind::Preemption));
             }
         }
+        for (index, job) in self.running.iter().enumerate() {
+            if job.closing {
+                wanted.push((index, job.computed / pt, SaveKind::Reply));
+            }
+        }
         for (index, pages, kind) in wanted {
             let chain = self.running[index].chain(&self.hasher, pages).to_vec();
             let tier = self.config.save_tier;
             ops.push(match kind {
                 SaveKind::Prompt => StoreOp::BeginPromptSave { chain, tier },
-                SaveKind::Preemption => StoreOp::BeginSave { chain, tier },
+                SaveKind::Preemption | SaveKind::Reply => StoreOp::BeginSave { chain, tier },
             });
             draft.store_purposes.push(StorePurpose::Save(index, kind));
         }
@@ -853,9 +863,19 @@ impl Scheduler {
             }
             (
                 StorePurpose::Save(index, SaveKind::Prompt),
-                StoreReply::Save(Ok(SaveStart::AlreadyStored(_) | SaveStart::NotSeenEnough)),
+                StoreReply::Save(Ok(SaveStart::AlreadyStored(_))),
             ) => {
                 self.running[index].prompt_saved = true;
+                self.running[index].prompt_stored = true;
+            }
+            (
+                StorePurpose::Save(index, SaveKind::Prompt),
+                StoreReply::Save(Ok(SaveStart::NotSeenEnough)),
+            ) => {
+                self.running[index].prompt_saved = true;
+            }
+            (StorePurpose::Save(index, SaveKind::Reply), StoreReply::Save(_)) => {
+                draft.closed.push(index);
             }
             (
                 StorePurpose::Save(..),
@@ -890,7 +910,7 @@ impl Scheduler {
                 .iter()
                 .map(|(index, error)| (*index, End::Failed(error.clone()))),
         );
-        self.remove_ended(ended, &draft.preempting, now);
+        self.remove_ended(ended, &draft.preempting, &draft.closed, now);
         let (ready, wake_at) = self.readiness(now);
         if !did_work {
             self.stats.idle_steps += 1;
@@ -955,6 +975,7 @@ impl Scheduler {
                 Ok(()) => {
                     if kind == SaveKind::Prompt {
                         self.running[index].prompt_saved = true;
+                        self.running[index].prompt_stored = true;
                     }
                     self.follow_ups.push(StoreFollowUp::Commit(reservation));
                 }
@@ -962,6 +983,9 @@ impl Scheduler {
                     tracing::warn!("snapshot save failed: {e}");
                     self.follow_ups.push(StoreFollowUp::Abort(reservation));
                 }
+            }
+            if kind == SaveKind::Reply {
+                draft.closed.push(index);
             }
         }
     }
@@ -1040,9 +1064,16 @@ impl Scheduler {
         engine::stop::finish_after(params, eos, token, job.generated(), job.max_new)
     }
 
-    /// Removes ended and preempted jobs from `running`, highest index first so the others
-    /// keep their places; preempted ones go back to the front of the queue.
-    fn remove_ended(&mut self, mut ended: Vec<(usize, End)>, preempting: &[usize], now: Instant) {
+    /// Removes ended, preempted and closed jobs from `running`, highest index first so the
+    /// others keep their places; preempted ones go back to the front of the queue. A job that
+    /// finished with a reply worth saving stays, closing, for its save in the next step.
+    fn remove_ended(
+        &mut self,
+        mut ended: Vec<(usize, End)>,
+        preempting: &[usize],
+        closed: &[usize],
+        now: Instant,
+    ) {
         ended.sort_by_key(|(index, _)| std::cmp::Reverse(*index));
         ended.dedup_by_key(|(index, _)| *index);
         let mut requeue = Vec::new();
@@ -1050,17 +1081,30 @@ impl Scheduler {
             .iter()
             .map(|(i, _)| *i)
             .chain(preempting.iter().copied())
+            .chain(closed.iter().copied())
             .collect();
         order.sort_unstable_by(|a, b| b.cmp(a));
         order.dedup();
         let mut ends = ended.into_iter().peekable();
         for index in order {
+            let end = ends.next_if(|(i, _)| *i == index).map(|(_, end)| end);
+            if let Some(End::Finished(reason)) = end
+                && self.saves_reply(&self.running[index])
+            {
+                self.close(index, reason, now);
+                continue;
+            }
             let mut job = self.running.remove(index);
             if let Some(slot) = job.slot.take() {
                 self.releases.push(slot.handle);
             }
-            match ends.next_if(|(i, _)| *i == index) {
-                Some((_, end)) => self.end(job, end, now),
+            if job.closing {
+                // Its finished event went out when it finished.
+                self.release_forks(job.id);
+                continue;
+            }
+            match end {
+                Some(end) => self.end(job, end, now),
                 None => {
                     self.stats.preemptions += 1;
                     job.usage.preemptions += 1;
@@ -1074,6 +1118,27 @@ impl Scheduler {
         for job in requeue {
             self.queue.push_front(job);
         }
+    }
+
+    /// Whether a job that finished leaves its prompt and reply in the store: when the policy
+    /// says so, its prompt was stored or restored (someone showed it before), and the reply
+    /// fills at least one more page than the prompt did.
+    fn saves_reply(&self, job: &Job) -> bool {
+        let pt = self.config.page_tokens;
+        self.config.save_replies
+            && (job.prompt_stored || job.usage.cached_tokens > 0)
+            && job.computed / pt > job.prompt_len / pt
+            && job.computed >= self.config.min_save_tokens.max(pt)
+    }
+
+    /// Answers the finished job `index` now and keeps its pages for its reply's save.
+    fn close(&mut self, index: usize, reason: FinishReason, now: Instant) {
+        let job = &mut self.running[index];
+        job.announce_finish(reason);
+        job.closing = true;
+        let latency = now.saturating_duration_since(job.submitted_at);
+        self.latency_ewma = (self.latency_ewma * 7 + latency) / 8;
+        self.stats.finished += 1;
     }
 
     fn end(&mut self, job: Job, end: End, now: Instant) {

@@ -569,3 +569,66 @@ fn dropping_the_first_choice_before_it_runs_lets_the_others_go_alone() {
     h.step();
     assert_eq!(h.pool.stats().used_pages, 0);
 }
+
+#[test]
+fn a_finished_reply_is_saved_so_the_next_turn_restores_it_whole() {
+    let mut h = Harness::new(64, "");
+    let first: Vec<u32> = (0..70u32).map(|i| 3 + (i * 7) % 200).collect();
+    let params = SamplingParams {
+        max_tokens: 30,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let request = GenerateRequest {
+        prompt: first.clone(),
+        params: params.clone(),
+    };
+    let mut stream = h.scheduler.submit(request).unwrap();
+    let (replies, _) = run_choices(&mut h, std::slice::from_mut(&mut stream));
+    assert_eq!(replies[0].len(), 30);
+    // Finished and answered; its pages stay one step for the save, then go.
+    assert_eq!(h.scheduler.stats().running, 0);
+    h.step();
+    h.step();
+    assert_eq!(h.pool.stats().used_pages, 0);
+    assert_eq!(
+        h.store.inner().snapshot_ids().count(),
+        2,
+        "the prompt and the reply"
+    );
+
+    // The next turn: everything before, plus a new message.
+    let mut second = first;
+    second.extend(&replies[0]);
+    second.extend([9, 8, 7, 6, 5]);
+    let request = GenerateRequest {
+        prompt: second,
+        params: SamplingParams {
+            max_tokens: 1,
+            ..params
+        },
+    };
+    let mut stream = h.scheduler.submit(request).unwrap();
+    run_choices(&mut h, std::slice::from_mut(&mut stream));
+    // 70 prompt tokens and 29 of the reply's have KV: six whole pages of 16.
+    assert_eq!(h.scheduler.stats().restored_tokens, 96);
+}
+
+#[test]
+fn a_reply_whose_prompt_nobody_showed_before_is_not_saved() {
+    let mut h = Harness::new(64, "[snapshots]\nsave_after_sightings = 2\n");
+    let prompt: Vec<u32> = (0..70u32).map(|i| 3 + (i * 7) % 200).collect();
+    let params = SamplingParams {
+        max_tokens: 30,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let mut stream = h
+        .scheduler
+        .submit(GenerateRequest { prompt, params })
+        .unwrap();
+    run_choices(&mut h, std::slice::from_mut(&mut stream));
+    h.step();
+    assert_eq!(h.pool.stats().used_pages, 0);
+    assert_eq!(h.store.inner().snapshot_ids().count(), 0);
+}
