@@ -236,16 +236,13 @@ impl Model {
         (!ids.is_empty()).then(|| ids[pick % ids.len()])
     }
 
-    /// The longest prefix of `query` a findable snapshot covers: all of it, or a head of at
-    /// least one index stride (16 pages) that it shares with `query`.
+    /// The longest prefix of `query` a findable snapshot covers: all of it, or any head it
+    /// shares with `query`.
     fn longest(&self, query: &[PrefixHash]) -> Option<usize> {
         self.findable
             .iter()
             .map(|id| &self.chains[id])
-            .filter_map(|chain| {
-                let shared = chain.iter().zip(query).take_while(|(a, b)| a == b).count();
-                (shared == chain.len() || shared >= 16).then_some(shared)
-            })
+            .map(|chain| chain.iter().zip(query).take_while(|(a, b)| a == b).count())
             .filter(|&shared| shared > 0)
             .max()
     }

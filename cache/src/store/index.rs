@@ -12,6 +12,8 @@
 //!   its end alone), and how many published snapshots end at each of the next `STRIDE_PAGES`
 //!   lengths with this as their deepest boundary (`ends`; `root_ends` for snapshots shorter
 //!   than one stride).
+//! - `firsts`: every published snapshot by the hash of its first page, for heads shorter than
+//!   one stride.
 //!
 //! Lookup: the boundaries along a query are indexed up to some stride and not after (the set
 //! is closed under prefixes), so a binary search finds the deepest shared stride. From there,
@@ -85,6 +87,8 @@ pub(crate) struct PrefixIndex {
     boundaries: U64Map<PrefixHash, Boundary>,
     /// `root_ends[o]`: published snapshots of `o` pages (shorter than one stride).
     root_ends: [u32; STRIDE_PAGES],
+    /// Published snapshots by their first page.
+    firsts: U64Map<PrefixHash, U64Set<SnapshotId>>,
 }
 
 impl Default for PrefixIndex {
@@ -93,6 +97,7 @@ impl Default for PrefixIndex {
             by_end: U64Map::default(),
             boundaries: U64Map::default(),
             root_ends: [0; STRIDE_PAGES],
+            firsts: U64Map::default(),
         }
     }
 }
@@ -129,10 +134,17 @@ impl PrefixIndex {
         self.by_end.remove(&end);
     }
 
-    /// Makes the claimed snapshot of `pages` pages ending with `end` findable; `boundaries` is
-    /// `strided` of its chain.
-    pub(crate) fn publish(&mut self, end: PrefixHash, pages: usize, boundaries: &[PrefixHash]) {
+    /// Makes the claimed snapshot of `pages` pages from `first` to `end` findable;
+    /// `boundaries` is `strided` of its chain.
+    pub(crate) fn publish(
+        &mut self,
+        first: PrefixHash,
+        end: PrefixHash,
+        pages: usize,
+        boundaries: &[PrefixHash],
+    ) {
         let id = self.by_end[&end].snapshot;
+        self.firsts.entry(first).or_default().insert(id);
         let mut parent = None;
         for &hash in boundaries {
             let fresh = Boundary {
@@ -151,8 +163,9 @@ impl PrefixIndex {
             .deepest_boundary = parent;
     }
 
-    /// Reverses `publish` for the snapshot of `pages` pages ending with `end`, and unclaims it.
-    pub(crate) fn unpublish(&mut self, end: PrefixHash, pages: usize) {
+    /// Reverses `publish` for the snapshot of `pages` pages from `first` to `end`, and
+    /// unclaims it.
+    pub(crate) fn unpublish(&mut self, first: PrefixHash, end: PrefixHash, pages: usize) {
         let End {
             snapshot: id,
             deepest_boundary: deepest,
@@ -160,6 +173,14 @@ impl PrefixIndex {
             .by_end
             .get(&end)
             .expect("a published snapshot is claimed");
+        let starting = self
+            .firsts
+            .get_mut(&first)
+            .expect("a published snapshot is listed by its first page");
+        starting.remove(&id);
+        if starting.is_empty() {
+            self.firsts.remove(&first);
+        }
         self.ends_after(deepest)
             .expect("a published snapshot's boundaries are indexed")[pages % STRIDE_PAGES] -= 1;
         let mut next = deepest;
@@ -216,15 +237,20 @@ impl PrefixIndex {
     /// The stride boundaries of `query` that published snapshots pass through, deepest first,
     /// each with its depth in strides and those snapshots: each shares at least that many
     /// strides of pages with `query`, and none from a shallower boundary shares more than the
-    /// next stride.
+    /// next stride. Last, at depth 0, the snapshots that share `query`'s first page.
     pub(crate) fn shared_heads<'a>(
         &'a self,
         query: &'a [PrefixHash],
     ) -> impl Iterator<Item = (usize, &'a U64Set<SnapshotId>)> + 'a {
-        (1..=self.shared_strides(query)).rev().map(move |strides| {
+        let strided = (1..=self.shared_strides(query)).rev().map(move |strides| {
             let boundary = &self.boundaries[&query[strides * STRIDE_PAGES - 1]];
             (strides, &boundary.via)
-        })
+        });
+        let first = query
+            .first()
+            .and_then(|first| self.firsts.get(first))
+            .map(|starting| (0, starting));
+        strided.chain(first)
     }
 
     /// How many whole strides of `query` some published snapshot shares: boundary `k` (at page
@@ -243,12 +269,13 @@ impl PrefixIndex {
         shared
     }
 
-    /// Entries in `by_end` and `boundaries`, and root ends, to check that nothing leaks.
+    /// Entries in `by_end`, `boundaries` and `firsts`, and root ends, to check that nothing
+    /// leaks.
     #[cfg(test)]
     pub(crate) fn sizes(&self) -> (usize, usize, u32) {
         (
             self.by_end.len(),
-            self.boundaries.len(),
+            self.boundaries.len() + self.firsts.len(),
             self.root_ends.iter().sum(),
         )
     }

@@ -20,7 +20,8 @@
 //! - A pinned snapshot (a restore in flight) is never evicted.
 //! - A lookup finds the longest prefix a published snapshot covers: a whole snapshot, or,
 //!   when snapshots hold KV only (no fixed per-sequence state), the first pages of a longer
-//!   one that shares at least one index stride ([`index::STRIDE_PAGES`] pages) with the query.
+//!   one that shares at least its first page with the query (a conversation's earlier turn
+//!   whose reply was tokenized otherwise the next time, however short).
 //!
 //! - A demoting snapshot stays findable and restorable from its device copy until its host
 //!   copy lands: the engine keeps the device backing until it reports the copy, so a demotion
@@ -553,7 +554,8 @@ impl SnapshotStore {
         match snapshot.state {
             State::Saving { .. } => self.index.unclaim(snapshot.end),
             State::Ready | State::Demoting { .. } => {
-                self.index.unpublish(snapshot.end, snapshot.pages)
+                self.index
+                    .unpublish(snapshot.chain[0], snapshot.end, snapshot.pages)
             }
         }
         snapshot
@@ -568,8 +570,13 @@ impl SnapshotStore {
             unreachable!("snapshot_in checked the state");
         };
         snapshot.last_use = now;
-        let (tier, end, pages) = (snapshot.tier, snapshot.end, snapshot.pages);
-        self.index.publish(end, pages, &boundaries);
+        let (tier, end, pages, first) = (
+            snapshot.tier,
+            snapshot.end,
+            snapshot.pages,
+            snapshot.chain[0],
+        );
+        self.index.publish(first, end, pages, &boundaries);
         self.tier_mut(tier).order.insert(id, now);
         self.counters.saves_committed += 1;
         Ok(id)

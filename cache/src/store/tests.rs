@@ -174,14 +174,23 @@ fn lookup_prefers_the_longest_snapshot_whose_every_page_matches() {
     assert_eq!(hit(&mut store, &[1, 2, 3]), Some(long));
     assert_eq!(
         hit(&mut store, &[1, 2]),
-        Some(short),
-        "the long one is not a prefix of the query"
+        Some(long),
+        "two pages of the long one beat the whole short one"
     );
-    assert_eq!(hit(&mut store, &[1, 2, 4]), Some(short));
+    assert_eq!(hit(&mut store, &[1, 2, 4]), Some(long));
+    assert_eq!(
+        hit(&mut store, &[1, 5]),
+        Some(short),
+        "a whole match wins a tie"
+    );
+    assert_eq!(
+        store.lookup_longest(&chain(&[1, 2, 4])).map(|h| h.pages),
+        Some(2)
+    );
     assert_eq!(hit(&mut store, &[2, 1]), None);
     assert_eq!(hit(&mut store, &[]), None);
     let stats = store.stats();
-    assert_eq!((stats.hits, stats.misses), (4, 2));
+    assert_eq!((stats.hits, stats.misses), (6, 2));
 }
 
 #[test]
@@ -211,7 +220,7 @@ fn a_failed_save_refunds_its_charge_and_publishes_nothing() {
     store.abort_save(again).unwrap();
     assert_eq!(
         store.index.sizes(),
-        (1, 0, 1),
+        (1, 1, 1),
         "only the kept snapshot is indexed"
     );
 }
@@ -487,7 +496,7 @@ fn a_reservation_is_committed_once_and_frames_describe_it() {
 
 #[test]
 fn lookup_finds_the_longest_match_on_either_side_of_an_indexed_boundary() {
-    // Whole snapshots, and heads of longer ones once a query shares a stride (16 pages).
+    // Whole snapshots, and heads of longer ones, on either side of a stride (16 pages).
     let mut store = roomy_store();
     let lengths = [3, 15, 16, 17, 32, 40];
     let ids: Vec<SnapshotId> = lengths
@@ -506,7 +515,7 @@ fn lookup_finds_the_longest_match_on_either_side_of_an_indexed_boundary() {
         (17, 17),
         (16, 16),
         (15, 15),
-        (14, 3),
+        (14, 14),
         (3, 3),
     ] {
         assert_eq!(
@@ -520,7 +529,12 @@ fn lookup_finds_the_longest_match_on_either_side_of_an_indexed_boundary() {
             "ending at {shared}"
         );
     }
-    assert_eq!(pages_hit(&mut store, &conversation(2, 30)), None);
+    assert_eq!(
+        pages_hit(&mut store, &conversation(2, 30)),
+        Some(2),
+        "a head of 3"
+    );
+    assert_eq!(pages_hit(&mut store, &[9_999, 9_998]), None);
     for id in ids {
         store.discard(id).unwrap();
     }
@@ -555,8 +569,13 @@ fn a_query_sharing_a_stride_restores_the_head_of_a_longer_snapshot() {
     assert_eq!(plan.tokens, 20 * PAGE_TOKENS);
     assert_eq!(plan.bytes, store.geometry.bytes_for_pages(20));
     store.finish_restore(long).unwrap();
-    // Fewer than a stride in common: nothing to restore.
-    assert_eq!(store.lookup_longest(&chain(&conversation(15, 7))), None);
+    // Fewer than a stride in common: the head is restored all the same.
+    let hit = store.lookup_longest(&chain(&conversation(15, 7))).unwrap();
+    assert_eq!((hit.snapshot, hit.pages), (long, 15));
+    store.begin_restore(long, hit.pages, &table).unwrap();
+    store.finish_restore(long).unwrap();
+    // Not even the first page in common: nothing.
+    assert_eq!(store.lookup_longest(&chain(&[77, 78])), None);
     assert_eq!(
         store.begin_restore(long, 41, &table),
         Err(CacheError::RestoreLength {
