@@ -195,6 +195,11 @@ struct ServeArgs {
     /// with any key set, every route but /health and /metrics needs one).
     #[arg(long, env = "SNAPSERVE_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+
+    /// Turns the snapshot admin API on (`/v1/snapshots`: keep, list and drop prefixes), behind
+    /// this key (`Authorization: Bearer KEY`). Sets `[server] admin_api_key`.
+    #[arg(long, env = "SNAPSERVE_ADMIN_API_KEY", hide_env_values = true)]
+    admin_api_key: Option<String>,
 }
 
 #[derive(Args)]
@@ -391,6 +396,9 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
     if let Some(key) = args.api_key.take() {
         policies.server.add_api_key(key)?;
     }
+    if let Some(key) = args.admin_api_key.take() {
+        policies.server.set_admin_api_key(key)?;
+    }
     let kind = args
         .backend
         .map_or(policies.engine.backend, BackendKind::from);
@@ -423,7 +431,9 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
         info.name, info.num_pages, info.geometry.page_tokens, info.max_positions
     );
     let server = &policies.server;
-    let keys = http::ApiKeys::new(server.api_keys(), server.keys_guard_health_and_metrics());
+    let keys = http::ApiKeys::new(server.api_keys(), server.keys_guard_health_and_metrics())
+        .with_admin(server.admin_api_key());
+    let pin_file = policies.snapshots.pin_prompts_file().map(Path::to_path_buf);
     // Without a measured step (a pool too small to warm up in), a slow CPU's speed.
     let decode_step = warm.decode_step.unwrap_or(Duration::from_millis(50));
     let options = http::ServeOptions {
@@ -462,6 +472,9 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
             );
         }
         let model = Model::new(files, name.clone(), limit);
+        if let Some(path) = &pin_file {
+            keep_prefixes(&handles, &model, path).await?;
+        }
         let prometheus = actors::metrics::install()
             .map_err(|e| tracing::warn!("metrics are disabled: {e}"))
             .ok();
@@ -491,6 +504,34 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
         );
         Ok(())
     })
+}
+
+/// Keeps every prefix of `[snapshots] pin_prompts_file` (JSON lines, each the body of `POST
+/// /v1/snapshots`) before serving. A line that cannot be kept stops the start, naming it.
+async fn keep_prefixes(handles: &actors::Handles, model: &Model, path: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading snapshots.pin_prompts_file {}", path.display()))?;
+    for (number, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = || format!("{} line {}", path.display(), number + 1);
+        let request: http::KeepRequest = serde_json::from_str(line).with_context(at)?;
+        let tokens = request
+            .tokens(model)
+            .map_err(anyhow::Error::msg)
+            .with_context(at)?;
+        let kept = handles.keep_prefix(tokens).await.with_context(at)?;
+        eprintln!(
+            "kept {} ({} tokens, {} bytes, {} tier) from {}",
+            kept.id,
+            kept.tokens,
+            kept.bytes,
+            kept.tier,
+            at()
+        );
+    }
+    Ok(())
 }
 
 /// `serve --random-weights`: the shape of `shape` with `files`' vocabulary, weights drawn on

@@ -192,6 +192,21 @@ impl Handler<SubmitChoices> for Admission {
     }
 }
 
+/// Submits a prompt to compute and keep; see [`crate::scheduler::Scheduler::submit_kept`].
+#[derive(Debug, Message)]
+#[rtype(result = "Result<RequestStream, ServeError>")]
+pub struct SubmitKept(pub Vec<u32>);
+
+impl Handler<SubmitKept> for Admission {
+    type Result = Result<RequestStream, ServeError>;
+
+    fn handle(&mut self, msg: SubmitKept, ctx: &mut Context<Self>) -> Self::Result {
+        let stream = self.scheduler.submit_kept(msg.0)?;
+        self.kick(ctx);
+        Ok(stream)
+    }
+}
+
 /// Cancels a request; its terminal event is `Cancelled`.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]

@@ -20,6 +20,11 @@ pub enum ServeError {
     #[error("invalid request: n is {n}; this server queues at most {max_queue} requests")]
     TooManyChoices { n: usize, max_queue: usize },
 
+    /// A prefix to keep could not be saved: it does not fit beside the snapshots that must
+    /// stay, or its copy failed.
+    #[error("the prefix was not kept: {0}")]
+    NotKept(String),
+
     /// The scheduler has stopped.
     #[error("the server is shutting down")]
     ShuttingDown,
@@ -57,6 +62,7 @@ impl ServeError {
             ServeError::ShuttingDown => "shutting_down",
             ServeError::Cancelled => "cancelled",
             ServeError::Engine(_) => "engine_error",
+            ServeError::NotKept(_) => "snapshot_refused",
             ServeError::Grammar(_) => "grammar_error",
             ServeError::ContextFull { .. } => "context_full",
         }

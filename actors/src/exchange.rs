@@ -55,6 +55,11 @@ pub enum StoreOp {
         chain: Vec<PrefixHash>,
         tier: Tier,
     },
+    /// The same, the snapshot kept until discarded (an operator's pinned prefix).
+    BeginKeptSave {
+        chain: Vec<PrefixHash>,
+        tier: Tier,
+    },
     /// The same for a prompt, of as much of `chain` as the save policy's sightings allow.
     BeginPromptSave {
         chain: Vec<PrefixHash>,

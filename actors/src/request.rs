@@ -36,6 +36,9 @@ pub struct Usage {
     pub cached_tokens: usize,
     /// Times the request was preempted and resumed.
     pub preemptions: u32,
+    /// The snapshot keeping its prompt, for a request submitted to keep one
+    /// ([`crate::Handles::keep_prefix`]).
+    pub kept: Option<cache::SnapshotId>,
 }
 
 /// One event on a request's channel.

@@ -6,7 +6,7 @@
 //! request.
 
 use actix::{Actor, Context, Handler, Message, MessageResult};
-use cache::{SnapshotStore as Store, StoreStats};
+use cache::{BackingId, CacheError, SnapshotId, SnapshotInfo, SnapshotStore as Store, StoreStats};
 
 pub use crate::exchange::{StoreOp, StoreReply};
 
@@ -56,6 +56,9 @@ impl SnapshotStore {
             StoreOp::BeginSave { chain, tier } => {
                 StoreReply::Save(self.store.begin_save(&chain, tier))
             }
+            StoreOp::BeginKeptSave { chain, tier } => {
+                StoreReply::Save(self.store.begin_kept_save(&chain, tier))
+            }
             StoreOp::BeginPromptSave { chain, tier } => {
                 StoreReply::Save(self.store.begin_prompt_save(&chain, tier))
             }
@@ -82,6 +85,52 @@ impl Handler<StoreStep> for SnapshotStore {
             replies,
             stats: self.store.stats(),
         })
+    }
+}
+
+/// Every snapshot the store holds, in no particular order.
+#[derive(Debug, Message)]
+#[rtype(result = "Vec<SnapshotInfo>")]
+pub struct ListSnapshots;
+
+impl Handler<ListSnapshots> for SnapshotStore {
+    type Result = MessageResult<ListSnapshots>;
+
+    fn handle(&mut self, _: ListSnapshots, _: &mut Context<Self>) -> Self::Result {
+        let store = &self.store;
+        MessageResult(
+            store
+                .snapshot_ids()
+                .filter_map(|id| store.info(id).ok())
+                .collect(),
+        )
+    }
+}
+
+/// What the store knows of one snapshot.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<SnapshotInfo, CacheError>")]
+pub struct GetSnapshot(pub SnapshotId);
+
+impl Handler<GetSnapshot> for SnapshotStore {
+    type Result = Result<SnapshotInfo, CacheError>;
+
+    fn handle(&mut self, msg: GetSnapshot, _: &mut Context<Self>) -> Self::Result {
+        self.store.info(msg.0)
+    }
+}
+
+/// Drops a published snapshot no restore is reading, kept or not; answers the backing the
+/// engine must free.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<BackingId, CacheError>")]
+pub struct DiscardSnapshot(pub SnapshotId);
+
+impl Handler<DiscardSnapshot> for SnapshotStore {
+    type Result = Result<BackingId, CacheError>;
+
+    fn handle(&mut self, msg: DiscardSnapshot, _: &mut Context<Self>) -> Self::Result {
+        self.store.discard(msg.0)
     }
 }
 

@@ -5,21 +5,23 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use actix::{Actor, Addr, SyncArbiter};
 use cache::{
-    PagePool, PoolConfig, PoolStats, PrefixSalt, SnapshotGeometry, SnapshotStore as Store,
-    StoreStats, Tier,
+    CacheError, PagePool, PoolConfig, PoolStats, PrefixSalt, SnapshotGeometry, SnapshotId,
+    SnapshotInfo, SnapshotStore as Store, StoreStats, Tier,
 };
 use engine::backend::{Backend, MemoryReport};
 use policy::Policies;
 
 use crate::admission::{
-    Admission, Cancel, CutAll, Drain, GetSchedulerStats, Submit, SubmitChoices,
+    Admission, Cancel, CutAll, Drain, GetSchedulerStats, Submit, SubmitChoices, SubmitKept,
 };
-use crate::engine::{Engine, GetMemory};
+use crate::engine::{Engine, FreeBacking, GetMemory};
 use crate::error::ServeError;
 use crate::kv_pool::{GetPoolStats, KvPool};
-use crate::request::{GenerateRequest, RequestId, RequestStream};
+use crate::request::{Event, GenerateRequest, RequestId, RequestStream, Usage};
 use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerStats, SequenceLimit};
-use crate::snapshot_store::{GetStoreStats, SnapshotStore};
+use crate::snapshot_store::{
+    DiscardSnapshot, GetSnapshot, GetStoreStats, ListSnapshots, SnapshotStore,
+};
 
 /// What the actors are built from besides the backend.
 #[derive(Debug, Clone)]
@@ -175,6 +177,74 @@ impl Handles {
             .send(SubmitChoices(request, n))
             .await
             .map_err(|_| ServeError::ShuttingDown)?
+    }
+
+    /// Computes `prompt` and keeps its whole pages as a snapshot that is never evicted (an
+    /// operator's pinned prefix); answers that snapshot once saved.
+    pub async fn keep_prefix(&self, prompt: Vec<u32>) -> Result<SnapshotInfo, ServeError> {
+        let stream = self
+            .admission
+            .send(SubmitKept(prompt))
+            .await
+            .map_err(|_| ServeError::ShuttingDown)??;
+        match stream.collect().await.end {
+            Event::Finished {
+                usage:
+                    Usage {
+                        kept: Some(snapshot),
+                        ..
+                    },
+                ..
+            } => self.published(snapshot).await,
+            Event::Finished { .. } => Err(ServeError::NotKept("its prompt was not saved".into())),
+            Event::Failed(error) => Err(error),
+            Event::Cancelled => Err(ServeError::Cancelled),
+            Event::Token(_) => unreachable!("collect ends at the terminal event"),
+        }
+    }
+
+    /// Snapshot `id` once its save is committed (at the step after its copy; the scheduler
+    /// runs that step at once).
+    async fn published(&self, id: SnapshotId) -> Result<SnapshotInfo, ServeError> {
+        for _ in 0..1000 {
+            match self.snapshot(id).await {
+                Ok(info) if info.state == cache::SnapshotState::Saving => {
+                    actix_rt::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+                Ok(info) => return Ok(info),
+                Err(e) => {
+                    return Err(ServeError::NotKept(format!(
+                        "{id} went before it was answered: {e}"
+                    )));
+                }
+            }
+        }
+        Err(ServeError::NotKept(format!("{id} is still being saved")))
+    }
+
+    /// Every snapshot the store holds.
+    pub async fn snapshots(&self) -> Vec<SnapshotInfo> {
+        self.store.send(ListSnapshots).await.unwrap_or_default()
+    }
+
+    /// What the store knows of one snapshot.
+    pub async fn snapshot(&self, id: SnapshotId) -> Result<SnapshotInfo, CacheError> {
+        self.store
+            .send(GetSnapshot(id))
+            .await
+            .unwrap_or(Err(CacheError::UnknownSnapshot { snapshot: id }))
+    }
+
+    /// Drops a snapshot, kept or not, unless a restore is reading it; the engine frees its
+    /// buffer after the steps already queued.
+    pub async fn discard_snapshot(&self, id: SnapshotId) -> Result<(), CacheError> {
+        let backing = self
+            .store
+            .send(DiscardSnapshot(id))
+            .await
+            .unwrap_or(Err(CacheError::UnknownSnapshot { snapshot: id }))?;
+        self.engine.do_send(FreeBacking(backing));
+        Ok(())
     }
 
     /// Cancels a request; it ends with `Cancelled` within one step.

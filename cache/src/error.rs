@@ -50,7 +50,8 @@ pub enum CacheError {
         bytes: u64,
         budget_bytes: u64,
     },
-    /// Would fit the budget, but pinned snapshots hold too much of it: refused without evicting.
+    /// Would fit the budget, but pinned and kept snapshots hold too much of it: refused without
+    /// evicting.
     #[error(
         "{tier} tier cannot make room for {needed_bytes} bytes: at most {reclaimable_bytes} reclaimable"
     )]

@@ -113,6 +113,9 @@ pub struct SnapshotConfig {
     /// as well, so the next turn of a conversation restores everything before its new
     /// message. (A request whose prompt nobody has shown again leaves nothing behind.)
     pub save_replies: bool,
+    /// A file of prefixes to keep from start-up, never evicted: JSON lines, each the body of
+    /// `POST /v1/snapshots` (`{"prompt": ...}` or `{"messages": [...]}`).
+    pub pin_prompts_file: Option<std::path::PathBuf>,
     /// A prompt's prefix is saved once this many requests have shown it: 1 saves every
     /// prompt, 2 waits for a repeat (the whole prompt) or a shared opening (a prefix at a
     /// 256-token stride boundary). Unset: [`DEFAULT_SAVE_AFTER_SIGHTINGS_GPU`] on a GPU,
@@ -182,6 +185,9 @@ pub struct ServerConfig {
     /// Whether `/health` and `/metrics` need a key too (they stay open by default, for load
     /// balancers and Prometheus).
     pub keys_guard_health_and_metrics: bool,
+    /// The key of the snapshot admin routes (`/v1/snapshots`); unset, they are off.
+    /// `snapserve serve --admin-api-key` (or `SNAPSERVE_ADMIN_API_KEY`) sets it.
+    pub admin_api_key: Option<String>,
 }
 
 /// The shortest default shutdown grace, in seconds.
@@ -208,6 +214,7 @@ impl Default for SnapshotConfig {
             save_prompts: true,
             min_save_tokens: 64,
             save_replies: true,
+            pin_prompts_file: None,
             save_after_sightings: None,
         }
     }
@@ -253,6 +260,7 @@ impl Default for ServerConfig {
             max_connections: 4_096,
             api_keys: Vec::new(),
             keys_guard_health_and_metrics: false,
+            admin_api_key: None,
         }
     }
 }
@@ -295,6 +303,7 @@ pub struct SnapshotPolicy {
     save_prompts: bool,
     min_save_tokens: usize,
     save_replies: bool,
+    pin_prompts_file: Option<std::path::PathBuf>,
     save_after_sightings: Option<u32>,
 }
 
@@ -319,6 +328,9 @@ impl SnapshotPolicy {
     }
     pub fn save_replies(&self) -> bool {
         self.save_replies
+    }
+    pub fn pin_prompts_file(&self) -> Option<&std::path::Path> {
+        self.pin_prompts_file.as_deref()
     }
     /// The configured sightings before a prompt is saved, or the backend's default.
     pub fn save_after_sightings(&self, on_gpu: bool) -> u32 {
@@ -368,6 +380,7 @@ impl AdmissionPolicy {
 pub struct ServerPolicy {
     api_keys: Vec<String>,
     keys_guard_health_and_metrics: bool,
+    admin_api_key: Option<String>,
     shutdown_grace: Option<Duration>,
     body_timeout: Duration,
     header_timeout: Duration,
@@ -386,6 +399,20 @@ impl ServerPolicy {
 
     pub fn keys_guard_health_and_metrics(&self) -> bool {
         self.keys_guard_health_and_metrics
+    }
+
+    /// The admin routes' key, if they are on.
+    pub fn admin_api_key(&self) -> Option<&str> {
+        self.admin_api_key.as_deref()
+    }
+
+    /// Sets the admin key from outside the configuration file, under the API keys' rule.
+    pub fn set_admin_api_key(&mut self, key: String) -> Result<(), PolicyError> {
+        require(key.len() >= MIN_API_KEY_LEN, "--admin-api-key", || {
+            format!("must be at least {MIN_API_KEY_LEN} characters")
+        })?;
+        self.admin_api_key = Some(key);
+        Ok(())
     }
 
     /// Adds a key given outside the configuration file (the command line), under the same
@@ -537,6 +564,7 @@ impl SnapshotConfig {
             save_prompts: self.save_prompts,
             min_save_tokens: self.min_save_tokens,
             save_replies: self.save_replies,
+            pin_prompts_file: self.pin_prompts_file.clone(),
             save_after_sightings: self.save_after_sightings,
         })
     }
@@ -631,9 +659,17 @@ impl ServerConfig {
             "server.api_keys",
             || format!("each key must be at least {MIN_API_KEY_LEN} characters"),
         )?;
+        require(
+            self.admin_api_key
+                .as_ref()
+                .is_none_or(|k| k.len() >= MIN_API_KEY_LEN),
+            "server.admin_api_key",
+            || format!("must be at least {MIN_API_KEY_LEN} characters"),
+        )?;
         Ok(ServerPolicy {
             api_keys: self.api_keys.clone(),
             keys_guard_health_and_metrics: self.keys_guard_health_and_metrics,
+            admin_api_key: self.admin_api_key.clone(),
             shutdown_grace: self.shutdown_grace_s.map(Duration::from_secs),
             body_timeout: Duration::from_secs(self.body_timeout_s),
             header_timeout: Duration::from_secs(self.header_timeout_s),

@@ -110,6 +110,47 @@ impl Server {
         (status, retry_after, json)
     }
 
+    /// Sends `method` to `path` with an optional bearer key and JSON body; returns the status
+    /// and the JSON answer.
+    pub fn call(
+        &self,
+        method: &str,
+        path: &str,
+        key: Option<&str>,
+        body: Option<&Value>,
+    ) -> (u16, Value) {
+        let url = format!("{}{path}", self.base);
+        let auth = key.map(|k| format!("Bearer {k}"));
+        let mut response = match (method, body) {
+            ("GET", _) => {
+                let mut r = self.agent.get(&url);
+                if let Some(a) = &auth {
+                    r = r.header("Authorization", a);
+                }
+                r.call()
+            }
+            ("DELETE", _) => {
+                let mut r = self.agent.delete(&url);
+                if let Some(a) = &auth {
+                    r = r.header("Authorization", a);
+                }
+                r.call()
+            }
+            ("POST", Some(body)) => {
+                let mut r = self.agent.post(&url);
+                if let Some(a) = &auth {
+                    r = r.header("Authorization", a);
+                }
+                r.send_json(body)
+            }
+            other => panic!("no helper for {other:?}"),
+        }
+        .unwrap();
+        let status = response.status().as_u16();
+        let json = response.body_mut().read_json::<Value>().unwrap();
+        (status, json)
+    }
+
     /// GETs `path` as text.
     pub fn get_text(&self, path: &str) -> (u16, String) {
         let mut response = self

@@ -691,7 +691,7 @@ enum Choice {
 /// A message for the template. `own_syntax` is set when the template knows no tools: an
 /// assistant's calls are then written into its content and a tool's result wrapped, as the
 /// server's own prompt describes.
-fn message_of(
+pub(super) fn message_of(
     index: usize,
     message: &Message,
     own_syntax: Option<ToolFormat>,

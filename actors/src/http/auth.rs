@@ -3,6 +3,9 @@
 //! `Authorization: Bearer KEY` with one of them, or is answered 401 in OpenAI's shape before
 //! its body is read. Keys are compared in constant time (`subtle`), against every key, so the
 //! time of a refusal says nothing of how much of a key was right.
+//!
+//! The snapshot admin routes (`/v1/snapshots...`) answer to their own key instead
+//! ([`ApiKeys::check_admin`]), and do not exist without one.
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
@@ -19,6 +22,8 @@ use super::error::ApiError;
 pub struct ApiKeys {
     keys: Vec<Vec<u8>>,
     guard_health_and_metrics: bool,
+    /// The key of the snapshot admin routes; `None`: they are off.
+    admin: Option<Vec<u8>>,
 }
 
 impl ApiKeys {
@@ -31,6 +36,40 @@ impl ApiKeys {
         ApiKeys {
             keys: keys.iter().map(|k| k.as_bytes().to_vec()).collect(),
             guard_health_and_metrics,
+            admin: None,
+        }
+    }
+
+    /// Turns the snapshot admin routes on, behind `key`.
+    pub fn with_admin(self, key: Option<&str>) -> Self {
+        ApiKeys {
+            admin: key.map(|k| k.as_bytes().to_vec()),
+            ..self
+        }
+    }
+
+    /// Whether a request for the admin route `path` with this `Authorization` header may go
+    /// on: a 404 when the admin routes are off, a 401 without the admin key.
+    pub fn check_admin(&self, path: &str, authorization: Option<&[u8]>) -> Result<(), ApiError> {
+        let Some(admin) = &self.admin else {
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                code: "not_found",
+                ..ApiError::invalid(format!(
+                    "no route for {path}: the snapshot admin API is off (start the server \
+                     with --admin-api-key to turn it on)"
+                ))
+            });
+        };
+        let Some(key) = authorization.and_then(|h| h.strip_prefix(b"Bearer ")) else {
+            return Err(unauthorized(
+                "no admin key: send it as `Authorization: Bearer KEY`",
+            ));
+        };
+        if bool::from(admin.ct_eq(key)) {
+            Ok(())
+        } else {
+            Err(unauthorized("the admin key is not this server's"))
         }
     }
 
@@ -41,7 +80,9 @@ impl ApiKeys {
     /// Whether a request for `path` with this `Authorization` header may go on.
     pub fn check(&self, path: &str, authorization: Option<&[u8]>) -> Result<(), ApiError> {
         let open_path = matches!(path, "/health" | "/metrics") && !self.guard_health_and_metrics;
-        if self.is_open() || open_path {
+        // The admin routes check their own key.
+        let admin_path = path == "/v1/snapshots" || path.starts_with("/v1/snapshots/");
+        if self.is_open() || open_path || admin_path {
             return Ok(());
         }
         let Some(key) = authorization.and_then(|h| h.strip_prefix(b"Bearer ")) else {
@@ -120,5 +161,33 @@ mod tests {
             Err((401, "invalid_api_key"))
         );
         assert_eq!(code(ApiKeys::open().check("/v1/models", None)), Ok(()));
+    }
+
+    #[test]
+    fn the_admin_routes_need_their_own_key_and_are_off_without_one() {
+        let code = |r: Result<(), ApiError>| r.map_err(|e| (e.status.as_u16(), e.code));
+        let off = ApiKeys::new(&["sk-first-key".into()], false);
+        assert_eq!(
+            code(off.check_admin("/v1/snapshots", Some(b"Bearer sk-first-key"))),
+            Err((404, "not_found"))
+        );
+        let on = off.with_admin(Some("admin-key-123"));
+        assert_eq!(
+            code(on.check("/v1/snapshots", None)),
+            Ok(()),
+            "not an API key's"
+        );
+        assert_eq!(
+            code(on.check_admin("/v1/snapshots", Some(b"Bearer sk-first-key"))),
+            Err((401, "invalid_api_key"))
+        );
+        assert_eq!(
+            code(on.check_admin("/v1/snapshots/snap-1", None)),
+            Err((401, "invalid_api_key"))
+        );
+        assert_eq!(
+            code(on.check_admin("/v1/snapshots", Some(b"Bearer admin-key-123"))),
+            Ok(())
+        );
     }
 }

@@ -98,6 +98,7 @@ impl From<ServeError> for ApiError {
             // retrying is its call.
             ServeError::Cancelled => (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
             ServeError::ContextFull { .. } => (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
+            ServeError::NotKept(_) => (StatusCode::CONFLICT, "invalid_request_error"),
             ServeError::Engine(_) | ServeError::Grammar(_) => {
                 (StatusCode::INTERNAL_SERVER_ERROR, "server_error")
             }

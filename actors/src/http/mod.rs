@@ -17,6 +17,7 @@ mod body;
 mod error;
 mod output;
 mod serve;
+mod snapshots;
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -34,6 +35,7 @@ pub use auth::ApiKeys;
 pub use body::{BodyLimits, MAX_BODY_BYTES};
 pub use error::ApiError;
 pub use serve::{ServeOptions, Served, serve};
+pub use snapshots::KeepRequest;
 
 use crate::request::GenerateRequest;
 use crate::scheduler::SequenceLimit;
@@ -118,6 +120,16 @@ pub fn routes(config: &mut web::ServiceConfig) {
         .service(only("/metrics", "GET").route(web::get().to(prometheus_metrics)))
         .service(only("/v1/completions", "POST").route(web::post().to(completions)))
         .service(only("/v1/chat/completions", "POST").route(web::post().to(chat_completions)))
+        .service(
+            only("/v1/snapshots", "GET, POST")
+                .route(web::get().to(snapshots::list))
+                .route(web::post().to(snapshots::keep)),
+        )
+        .service(
+            only("/v1/snapshots/{id}", "GET, DELETE")
+                .route(web::get().to(snapshots::show))
+                .route(web::delete().to(snapshots::drop_one)),
+        )
         .default_service(web::to(not_found));
 }
 

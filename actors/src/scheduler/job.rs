@@ -49,6 +49,10 @@ pub(crate) struct Job {
     pub prompt_saved: bool,
     /// Its prompt is in the store: saved by it, or found already stored.
     pub prompt_stored: bool,
+    /// Submitted to keep its prompt (an operator's pin): saved whatever the policy, kept.
+    pub keep_prompt: bool,
+    /// Why its prompt could not be kept, if it could not.
+    pub keep_failure: Option<String>,
     /// Finished (its terminal event sent), its pages held one more step to save its prompt
     /// and reply for the conversation's next turn, then released.
     pub closing: bool,
@@ -94,6 +98,8 @@ impl Job {
             restoring: None,
             prompt_saved: false,
             prompt_stored: false,
+            keep_prompt: false,
+            keep_failure: None,
             closing: false,
             fork_of: None,
             cancelled: false,

@@ -28,7 +28,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use cache::{PrefixHasher, PrefixSalt, Tier};
-use engine::sampling::Sampler;
+use engine::sampling::{Sampler, SamplingParams};
 use policy::{BackoffPolicy, ReservationPolicy, StepTimeModel};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -260,6 +260,53 @@ impl Scheduler {
             streams.push(RequestStream::new(id, receiver, stopped));
         }
         Ok(streams)
+    }
+
+    /// Queues a prompt to compute and keep (an operator's pinned prefix): its whole pages are
+    /// saved in the save tier whatever the save policy says, and kept until discarded. The
+    /// request generates one (greedy) token; its `Finished` usage names the snapshot (`kept`),
+    /// or it fails with [`ServeError::NotKept`].
+    pub fn submit_kept(&mut self, prompt: Vec<u32>) -> Result<RequestStream, ServeError> {
+        let pt = self.config.page_tokens;
+        if prompt.len() < pt {
+            return Err(ServeError::Invalid(format!(
+                "a prefix to keep needs at least one whole page of {pt} tokens; it has {}",
+                prompt.len()
+            )));
+        }
+        let params = SamplingParams {
+            max_tokens: 1,
+            temperature: 0.0,
+            ..SamplingParams::default()
+        };
+        let request = GenerateRequest { prompt, params };
+        self.validate(&request)?;
+        if self.draining {
+            return Err(ServeError::ShuttingDown);
+        }
+        if self.queue.len() >= self.config.max_queue {
+            return Err(ServeError::Overloaded {
+                retry_after: self.retry_after(),
+            });
+        }
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        let sampler = Sampler::new(&request.params, &request.prompt);
+        let (events, receiver) = mpsc::unbounded_channel();
+        let stopped = StopFlag::default();
+        let mut job = Job::new(
+            id,
+            request.prompt,
+            1,
+            sampler,
+            events,
+            stopped.clone(),
+            Instant::now(),
+        );
+        job.keep_prompt = true;
+        self.queue.push_back(job);
+        self.stats.submitted += 1;
+        Ok(RequestStream::new(id, receiver, stopped))
     }
 
     fn validate(&self, request: &GenerateRequest) -> Result<(), ServeError> {

@@ -50,6 +50,8 @@ enum SaveKind {
     Preemption,
     /// A finished request's prompt and reply, for the conversation's next turn.
     Reply,
+    /// A prompt submitted to be kept (an operator's pinned prefix).
+    Kept,
 }
 
 /// A store change that waits for the next step, once the engine has done its part.
@@ -704,11 +706,19 @@ impl Scheduler {
     fn plan_saves(&mut self, draft: &mut Draft, ops: &mut Vec<StoreOp>) {
         let pt = self.config.page_tokens;
         let mut wanted: Vec<(usize, usize, SaveKind)> = Vec::new();
+        for row in draft.rows.iter().filter(|r| r.live) {
+            let job = &self.running[row.job];
+            let completes_prompt = row.start < job.prompt_len && row.end >= job.prompt_len;
+            if completes_prompt && job.keep_prompt {
+                wanted.push((row.job, job.prompt_len / pt, SaveKind::Kept));
+            }
+        }
         if self.config.save_prompts {
             for row in draft.rows.iter().filter(|r| r.live) {
                 let job = &self.running[row.job];
                 let completes_prompt = row.start < job.prompt_len && row.end >= job.prompt_len;
                 if completes_prompt
+                    && !job.keep_prompt
                     && !job.prompt_saved
                     && job.prompt_len >= self.config.min_save_tokens.max(pt)
                 {
@@ -733,6 +743,7 @@ impl Scheduler {
             ops.push(match kind {
                 SaveKind::Prompt => StoreOp::BeginPromptSave { chain, tier },
                 SaveKind::Preemption | SaveKind::Reply => StoreOp::BeginSave { chain, tier },
+                SaveKind::Kept => StoreOp::BeginKeptSave { chain, tier },
             });
             draft.store_purposes.push(StorePurpose::Save(index, kind));
         }
@@ -856,6 +867,9 @@ impl Scheduler {
                     bytes: reservation.bytes(),
                     copies,
                 });
+                if kind == SaveKind::Kept {
+                    self.running[index].usage.kept = Some(reservation.snapshot());
+                }
                 self.demotions_in_flight +=
                     evictions.iter().filter(|e| e.demoted_to.is_some()).count();
                 step.evictions.extend(evictions);
@@ -876,6 +890,15 @@ impl Scheduler {
             }
             (StorePurpose::Save(index, SaveKind::Reply), StoreReply::Save(_)) => {
                 draft.closed.push(index);
+            }
+            (
+                StorePurpose::Save(index, SaveKind::Kept),
+                StoreReply::Save(Ok(SaveStart::AlreadyStored(id))),
+            ) => {
+                self.running[index].usage.kept = Some(id);
+            }
+            (StorePurpose::Save(index, SaveKind::Kept), StoreReply::Save(Err(e))) => {
+                self.running[index].keep_failure = Some(e.to_string());
             }
             (
                 StorePurpose::Save(..),
@@ -982,6 +1005,11 @@ impl Scheduler {
                 Err(e) => {
                     tracing::warn!("snapshot save failed: {e}");
                     self.follow_ups.push(StoreFollowUp::Abort(reservation));
+                    if kind == SaveKind::Kept {
+                        let job = &mut self.running[index];
+                        job.usage.kept = None;
+                        job.keep_failure = Some(format!("copying its KV failed: {e}"));
+                    }
                 }
             }
             if kind == SaveKind::Reply {
@@ -1141,8 +1169,18 @@ impl Scheduler {
         self.stats.finished += 1;
     }
 
-    fn end(&mut self, job: Job, end: End, now: Instant) {
+    fn end(&mut self, mut job: Job, end: End, now: Instant) {
         self.release_forks(job.id);
+        let end = match end {
+            End::Finished(_) if job.keep_prompt && job.usage.kept.is_none() => {
+                let why = job
+                    .keep_failure
+                    .take()
+                    .unwrap_or_else(|| "its prompt was not saved".into());
+                End::Failed(ServeError::NotKept(why))
+            }
+            end => end,
+        };
         let latency = now.saturating_duration_since(job.submitted_at);
         self.latency_ewma = (self.latency_ewma * 7 + latency) / 8;
         match end {

@@ -17,7 +17,8 @@
 //! - A save is two-phase: `begin_save` charges and reserves, `commit_save` publishes after the
 //!   copy succeeded, `abort_save` refunds. An unpublished snapshot is never found, restored or
 //!   evicted.
-//! - A pinned snapshot (a restore in flight) is never evicted.
+//! - A pinned snapshot (a restore in flight) is never evicted, nor is one an operator kept
+//!   (`keep`): a save that would need its room is refused.
 //! - A lookup finds the longest prefix a published snapshot covers: a whole snapshot, or,
 //!   when snapshots hold KV only (no fixed per-sequence state), the first pages of a longer
 //!   one that shares at least its first page with the query (a conversation's earlier turn
@@ -75,6 +76,12 @@ pub struct SnapshotInfo {
     pub demoting_from: Option<BackingId>,
     /// Restores in flight.
     pub pins: u32,
+    /// Kept by an operator: never evicted.
+    pub kept: bool,
+    /// Lookups that found it.
+    pub hits: u64,
+    /// When a lookup, restore or save last used it.
+    pub last_used: std::time::SystemTime,
 }
 
 /// A successful lookup: restoring the first `pages` of `snapshot` (all of it, or a head it
@@ -245,6 +252,9 @@ struct Snapshot {
     state: State,
     pins: u32,
     last_use: u64,
+    kept: bool,
+    hits: u64,
+    used_at: std::time::SystemTime,
 }
 
 impl Snapshot {
@@ -403,6 +413,7 @@ impl SnapshotStore {
             .snapshots
             .get_mut(&id)
             .expect("only stored snapshots are touched");
+        snapshot.used_at = std::time::SystemTime::now();
         match snapshot.state {
             State::Ready => {
                 snapshot.last_use = now;
@@ -432,7 +443,7 @@ impl SnapshotStore {
         let snapshots = &self.snapshots;
         let planned = self.tier(tier).plan_room(bytes, |id| {
             let victim = &snapshots[&id];
-            (victim.pins == 0).then_some(victim.bytes)
+            (victim.pins == 0 && !victim.kept).then_some(victim.bytes)
         });
         let victims = planned.inspect_err(|_| self.counters.refusals += 1)?;
         let evictions = victims
@@ -487,6 +498,9 @@ impl SnapshotStore {
             state,
             pins: 0,
             last_use: 0,
+            kept: false,
+            hits: 0,
+            used_at: std::time::SystemTime::now(),
         };
         self.snapshots.insert(snapshot, record);
         SaveReservation {
@@ -663,6 +677,7 @@ impl SnapshotStore {
             return None;
         };
         self.counters.hits += 1;
+        self.snapshots.get_mut(&id).expect("a hit is stored").hits += 1;
         self.touch(id);
         let snapshot = &self.snapshots[&id];
         let tokens = pages * self.geometry.kv.page_tokens;
@@ -754,7 +769,38 @@ impl SnapshotStore {
                 _ => None,
             },
             pins: snapshot.pins,
+            kept: snapshot.kept,
+            hits: snapshot.hits,
+            last_used: snapshot.used_at,
         })
+    }
+
+    /// Keeps snapshot `id` (saving or published) until [`SnapshotStore::discard`]: it is never
+    /// evicted, so its tier's other snapshots share what it leaves of the budget.
+    pub fn keep(&mut self, id: SnapshotId) -> Result<(), CacheError> {
+        self.snapshots
+            .get_mut(&id)
+            .ok_or(CacheError::UnknownSnapshot { snapshot: id })?
+            .kept = true;
+        Ok(())
+    }
+
+    /// Starts saving `chain` as [`SnapshotStore::begin_save`] does, the snapshot kept from the
+    /// start; an equal prefix already stored is kept instead. Refused when it does not fit
+    /// beside the snapshots that must stay.
+    pub fn begin_kept_save(
+        &mut self,
+        chain: &[PrefixHash],
+        tier: Tier,
+    ) -> Result<SaveStart, CacheError> {
+        let start = self.begin_save(chain, tier)?;
+        let id = match &start {
+            SaveStart::Reserved { reservation, .. } => reservation.snapshot,
+            SaveStart::AlreadyStored(id) => *id,
+            SaveStart::NotSeenEnough => unreachable!("begin_save has no sightings"),
+        };
+        self.keep(id)?;
+        Ok(start)
     }
 
     /// Every stored snapshot, in no particular order.

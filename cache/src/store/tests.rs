@@ -659,3 +659,37 @@ fn a_shared_opening_is_saved_up_to_the_stride_its_prompts_share() {
         .expect("the opening is stored");
     assert_eq!(restored.pages, 16);
 }
+
+#[test]
+fn a_kept_snapshot_is_never_evicted_and_a_save_needing_its_room_is_refused() {
+    // Five pages of budget: a kept three-page snapshot leaves two for the rest.
+    let mut store = store();
+    let kept = match store
+        .begin_kept_save(&chain(&[1, 2, 3]), Tier::Device)
+        .unwrap()
+    {
+        SaveStart::Reserved { reservation, .. } => store.commit_save(reservation).unwrap(),
+        other => panic!("{other:?}"),
+    };
+    assert!(store.info(kept).unwrap().kept);
+    let (a, _) = save(&mut store, &[4, 4]);
+    let (_, evicted) = save(&mut store, &[5, 5]);
+    assert_eq!(evicted, vec![a], "the unkept one goes, the kept one stays");
+    assert!(matches!(
+        store.begin_save(&chain(&[6, 6, 6]), Tier::Device),
+        Err(CacheError::OverBudget { .. })
+    ));
+    assert_eq!(state(&store, kept), Some(SnapshotState::Ready));
+    // Keeping what is already stored keeps that one; lookups count as its hits.
+    let (b, _) = save(&mut store, &[7]);
+    assert_eq!(
+        store.begin_kept_save(&chain(&[7]), Tier::Device).unwrap(),
+        SaveStart::AlreadyStored(b)
+    );
+    assert!(store.info(b).unwrap().kept);
+    assert_eq!(hit(&mut store, &[1, 2, 3, 9]), Some(kept));
+    assert_eq!(store.info(kept).unwrap().hits, 1);
+    // Dropped on purpose, its bytes are refunded: [7] alone is left ([5, 5] made room for it).
+    store.discard(kept).unwrap();
+    assert_eq!(store.stats().device.charged_bytes, 10);
+}
