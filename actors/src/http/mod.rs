@@ -216,7 +216,8 @@ async fn completions(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let body: CompletionRequest = body::read_json(&request, payload, state.body).await?;
-    let prepared = body.prepare(&state.model)?;
+    let model = state.model.clone();
+    let prepared = off_the_worker(move || body.prepare(&model)).await?;
     respond(&state, prepared, Kind::Completion).await
 }
 
@@ -226,8 +227,22 @@ async fn chat_completions(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let body: ChatRequest = body::read_json(&request, payload, state.body).await?;
-    let prepared = body.prepare(&state.model)?;
+    let model = state.model.clone();
+    let prepared = off_the_worker(move || body.prepare(&model)).await?;
     respond(&state, prepared, Kind::Chat).await
+}
+
+/// Runs a request's preparation (tokenizing a prompt that may be a whole context, rendering the
+/// chat template, compiling a JSON schema's grammar) on actix's blocking pool, so a heavy one
+/// never stalls the other connections of its HTTP worker.
+async fn off_the_worker<T: Send + 'static>(
+    prepare: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    web::block(prepare).await.map_err(|e| {
+        ApiError::from(crate::error::ServeError::Engine(format!(
+            "preparing the request: {e}"
+        )))
+    })?
 }
 
 /// Submits the request and answers it whole or as a stream of events.

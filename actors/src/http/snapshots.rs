@@ -128,7 +128,8 @@ pub async fn keep(
 ) -> Result<HttpResponse, ApiError> {
     admin(&state, &request)?;
     let body: KeepRequest = body::read_json(&request, payload, state.body).await?;
-    let tokens = body.tokens(&state.model)?;
+    let model = state.model.clone();
+    let tokens = super::off_the_worker(move || body.tokens(&model)).await?;
     let info = state.handles.keep_prefix(tokens).await?;
     tracing::info!(
         "kept {} ({} tokens, {} bytes)",
