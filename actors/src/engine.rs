@@ -444,8 +444,15 @@ impl Handler<FreeBacking> for Engine {
     type Result = ();
 
     fn handle(&mut self, msg: FreeBacking, _: &mut SyncContext<Self>) {
-        if let Err(e) = self.backend.free_backing(msg.0) {
-            tracing::error!("freeing {}: {e}", msg.0);
+        self.free_backing(msg.0);
+    }
+}
+
+impl Engine {
+    /// Frees a snapshot buffer the store gave up outside a step.
+    pub fn free_backing(&mut self, backing: BackingId) {
+        if let Err(e) = self.backend.free_backing(backing) {
+            tracing::error!("freeing {backing}: {e}");
         }
     }
 }

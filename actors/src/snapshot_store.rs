@@ -24,6 +24,11 @@ impl SnapshotStore {
     pub(crate) fn inner(&self) -> &Store {
         &self.store
     }
+
+    #[cfg(test)]
+    pub(crate) fn inner_mut(&mut self) -> &mut Store {
+        &mut self.store
+    }
 }
 
 impl Actor for SnapshotStore {

@@ -1,5 +1,6 @@
 //! The scheduler's invariants under random traffic, without a GPU: random sequences of
-//! submissions, cancellations, callers that go away, stop strings, failed engine steps and a
+//! submissions (some of several choices, `n`), cancellations, callers that go away, stop
+//! strings, failed engine steps, prefixes kept and snapshots discarded by an operator, and a
 //! pool and snapshot tiers too small for the load, under both reservation policies, driven
 //! through the real pool, store, engine actor and CPU backend. After every step:
 //!
@@ -126,6 +127,9 @@ enum Op {
     /// The caller's text reached a stop string.
     Stop(Index),
     FailNextStep,
+    /// An operator keeps a prefix (`POST /v1/snapshots`); discards one now and then.
+    Keep(u8),
+    Discard(Index),
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
@@ -172,6 +176,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<Index>().prop_map(Op::Drop),
         1 => any::<Index>().prop_map(Op::Stop),
         1 => Just(Op::FailNextStep),
+        1 => (16u8..60).prop_map(Op::Keep),
+        1 => any::<Index>().prop_map(Op::Discard),
     ]
 }
 
@@ -381,6 +387,23 @@ impl World {
                 }
             }
             Op::FailNextStep => self.fail_next.store(true, Ordering::SeqCst),
+            Op::Keep(len) => {
+                let prompt = (0..*len as u32).map(|i| 3 + (i * 11 + 5) % 190).collect();
+                if let Ok(stream) = self.scheduler.submit_kept(prompt) {
+                    self.ids.push(stream.id);
+                    self.listeners.push(Listener { stream, ends: 0 });
+                }
+            }
+            Op::Discard(index) => {
+                // As the admin API does: the store drops it, the engine frees its buffer.
+                let ids: Vec<_> = self.store.inner().snapshot_ids().collect();
+                if !ids.is_empty() {
+                    let id = ids[index.index(ids.len())];
+                    if let Ok(backing) = self.store.inner_mut().discard(id) {
+                        self.engine.free_backing(backing);
+                    }
+                }
+            }
         }
     }
 
