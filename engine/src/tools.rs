@@ -51,6 +51,8 @@ const HERMES_OPEN: &str = "<tool_call>";
 const HERMES_CLOSE: &str = "</tool_call>";
 const PYTHON_TAG: &str = "<|python_tag|>";
 const MISTRAL_CALLS: &str = "[TOOL_CALLS]";
+/// What separates a call's name from its arguments in Mistral's newer syntax.
+const MISTRAL_ARGS: &str = "[ARGS]";
 
 /// Whether a streamed reply has reached a tool call yet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,10 +130,11 @@ impl ToolFormat {
             ToolFormat::Hermes => hermes_calls(rest)?,
             ToolFormat::Mistral => {
                 let list = rest[MISTRAL_CALLS.len()..].trim();
-                let value: Value = serde_json::from_str(list).ok()?;
-                match value {
-                    Value::Array(items) => items.iter().map(call_of).collect::<Option<_>>()?,
-                    object => vec![call_of(&object)?],
+                match serde_json::from_str(list) {
+                    Ok(Value::Array(items)) => items.iter().map(call_of).collect::<Option<_>>()?,
+                    Ok(object) => vec![call_of(&object)?],
+                    // Tokenizer v11 and later: `[TOOL_CALLS]name[ARGS]{...}`, once per call.
+                    Err(_) => mistral_named_calls(rest)?,
                 }
             }
             ToolFormat::Llama3Json => {
@@ -289,6 +292,27 @@ fn json_values(text: &str) -> Option<Vec<Value>> {
 }
 
 /// `{"name": ..., "arguments"|"parameters": {...}}`; arguments sent as a JSON string are read.
+/// Calls written `[TOOL_CALLS]name[ARGS]{...}`, one after another (Mistral's newer syntax).
+fn mistral_named_calls(text: &str) -> Option<Vec<ToolCall>> {
+    text.split(MISTRAL_CALLS)
+        .map(str::trim)
+        .filter(|call| !call.is_empty())
+        .map(|call| {
+            let (name, arguments) = call.split_once(MISTRAL_ARGS)?;
+            let name = name.trim();
+            let valid = !name.is_empty()
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+            let arguments = serde_json::from_str(arguments.trim()).ok()?;
+            valid.then(|| ToolCall {
+                name: name.to_string(),
+                arguments,
+            })
+        })
+        .collect()
+}
+
 fn call_of(value: &Value) -> Option<ToolCall> {
     let name = value.get("name")?.as_str()?.to_string();
     let arguments = value
@@ -372,6 +396,31 @@ mod tests {
                 call("weather", json!({"city": "Rome"})),
                 call("time", json!({"tz": "CET"}))
             ]
+        );
+    }
+
+    #[test]
+    fn mistral_calls_in_the_newer_name_args_syntax() {
+        let text =
+            "Let me look.[TOOL_CALLS]weather[ARGS]{\"city\": \"Rome\"}[TOOL_CALLS]time[ARGS]{}";
+        let parsed = ToolFormat::Mistral.parse(text).unwrap();
+        assert_eq!(parsed.content, "Let me look.");
+        assert_eq!(
+            parsed.calls,
+            vec![
+                call("weather", json!({"city": "Rome"})),
+                call("time", json!({}))
+            ]
+        );
+        assert!(
+            ToolFormat::Mistral
+                .parse("[TOOL_CALLS]weather[ARGS]{not json")
+                .is_none()
+        );
+        assert!(
+            ToolFormat::Mistral
+                .parse("[TOOL_CALLS]bad name[ARGS]{}")
+                .is_none()
         );
     }
 

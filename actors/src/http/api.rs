@@ -111,6 +111,8 @@ pub struct ChatRequest {
     pub tools: Option<Vec<ToolDef>>,
     /// `"none"`, `"auto"`, `"required"` or `{"type": "function", "function": {"name": ...}}`.
     pub tool_choice: Option<Value>,
+    /// `false`: at most one call per reply (the first the model makes).
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// One entry of `tools`.
@@ -191,6 +193,8 @@ pub const MAX_CHOICES: usize = 64;
 pub struct ToolUse {
     pub format: ToolFormat,
     pub names: Vec<String>,
+    /// At most one call is answered (`parallel_tool_calls: false`).
+    pub single: bool,
 }
 
 impl Sampling {
@@ -581,6 +585,7 @@ impl ChatRequest {
         let tools = offered.then(|| ToolUse {
             format,
             names: tools.iter().map(|t| t.name.clone()).collect(),
+            single: self.parallel_tool_calls == Some(false),
         });
         Ok(Prepared { tools, ..prepared })
     }

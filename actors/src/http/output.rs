@@ -111,12 +111,17 @@ impl ToolReader {
     }
 }
 
-/// The calls in a whole reply, if it makes any and every one names an offered function.
+/// The calls in a whole reply, if it makes any and every one names an offered function; only
+/// the first when the request wants no parallel calls.
 fn read_calls(tools: &ToolUse, text: &str) -> Option<ParsedReply> {
-    tools
+    let mut parsed = tools
         .format
         .parse(text)
-        .filter(|p| p.calls.iter().all(|c| tools.names.contains(&c.name)))
+        .filter(|p| p.calls.iter().all(|c| tools.names.contains(&c.name)))?;
+    if tools.single {
+        parsed.calls.truncate(1);
+    }
+    Some(parsed)
 }
 
 /// OpenAI's `tool_calls` entries, each with a fresh id.
@@ -633,4 +638,34 @@ fn merge_usage(usages: &[Value]) -> Value {
 
 fn sse(value: &Value) -> String {
     format!("data: {value}\n\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use engine::tools::ToolFormat;
+
+    #[test]
+    fn without_parallel_calls_only_the_first_is_answered() {
+        let text = "<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n\
+                    <tool_call>\n{\"name\": \"b\", \"arguments\": {}}\n</tool_call>";
+        let mut tools = ToolUse {
+            format: ToolFormat::Hermes,
+            names: vec!["a".into(), "b".into()],
+            single: false,
+        };
+        let names = |tools: &ToolUse| -> Vec<String> {
+            read_calls(tools, text)
+                .unwrap()
+                .calls
+                .into_iter()
+                .map(|c| c.name)
+                .collect()
+        };
+        assert_eq!(names(&tools), ["a", "b"]);
+        tools.single = true;
+        assert_eq!(names(&tools), ["a"]);
+        tools.names = vec!["a".into()];
+        assert!(read_calls(&tools, text).is_none(), "b was never offered");
+    }
 }
