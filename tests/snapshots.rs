@@ -82,6 +82,11 @@ fn kept_prefixes_outlive_evictions_and_the_admin_routes_need_their_key() {
             "{id} evicted: {after}"
         );
     }
+    let kept_bytes = from_file["bytes"].as_f64().unwrap() + kept["bytes"].as_f64().unwrap();
+    assert_eq!(
+        server.metric("snapserve_snapshot_kept_bytes{tier=\"device\"}"),
+        kept_bytes
+    );
     let stats = server.metric("snapserve_snapshot_evictions_total");
     assert!(
         stats > 0.0,

@@ -126,6 +126,11 @@ fn describe() {
             "Bytes of snapshots charged to each tier (device, host).",
         ),
         (
+            "snapserve_snapshot_kept_bytes",
+            Unit::Bytes,
+            "Bytes of kept (pinned) snapshots in each tier, never evicted.",
+        ),
+        (
             "snapserve_snapshot_budget_bytes",
             Unit::Bytes,
             "Byte budget of each snapshot tier.",
@@ -208,6 +213,7 @@ pub async fn render(handles: &Handles, prometheus: &PrometheusHandle) -> String 
         gauge!("snapserve_snapshot_bytes", "tier" => tier).set(t.charged_bytes as f64);
         gauge!("snapserve_snapshot_budget_bytes", "tier" => tier).set(t.budget_bytes as f64);
         gauge!("snapserve_snapshots", "tier" => tier).set(t.snapshots as f64);
+        gauge!("snapserve_snapshot_kept_bytes", "tier" => tier).set(t.kept_bytes as f64);
     }
     counter!("snapserve_snapshot_hits_total").absolute(store.hits);
     counter!("snapserve_snapshot_misses_total").absolute(store.misses);

@@ -815,9 +815,17 @@ impl SnapshotStore {
 
     pub fn stats(&self) -> StoreStats {
         let c = self.counters;
+        let mut tiers = [
+            self.tier(Tier::Device).stats(),
+            self.tier(Tier::Host).stats(),
+        ];
+        for snapshot in self.snapshots.values().filter(|s| s.kept) {
+            tiers[snapshot.tier.index()].kept_bytes += snapshot.bytes;
+        }
+        let [device, host] = tiers;
         StoreStats {
-            device: self.tier(Tier::Device).stats(),
-            host: self.tier(Tier::Host).stats(),
+            device,
+            host,
             hits: c.hits,
             misses: c.misses,
             evictions: c.evictions,

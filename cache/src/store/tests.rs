@@ -689,7 +689,13 @@ fn a_kept_snapshot_is_never_evicted_and_a_save_needing_its_room_is_refused() {
     assert!(store.info(b).unwrap().kept);
     assert_eq!(hit(&mut store, &[1, 2, 3, 9]), Some(kept));
     assert_eq!(store.info(kept).unwrap().hits, 1);
+    assert_eq!(
+        store.stats().device.kept_bytes,
+        40,
+        "three pages and one, kept"
+    );
     // Dropped on purpose, its bytes are refunded: [7] alone is left ([5, 5] made room for it).
     store.discard(kept).unwrap();
+    assert_eq!(store.stats().device.kept_bytes, 10);
     assert_eq!(store.stats().device.charged_bytes, 10);
 }

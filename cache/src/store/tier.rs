@@ -45,6 +45,8 @@ pub struct TierStats {
     pub charged_bytes: u64,
     /// Snapshots charged here, published or not.
     pub snapshots: usize,
+    /// Bytes of the snapshots kept here (never evicted): what the others cannot have.
+    pub kept_bytes: u64,
 }
 
 #[derive(Debug)]
@@ -130,6 +132,7 @@ impl TierState {
             budget_bytes: self.budget_bytes,
             charged_bytes: self.charged_bytes,
             snapshots: self.snapshots,
+            kept_bytes: 0,
         }
     }
 }
