@@ -556,3 +556,69 @@ fn n_choices_share_the_prompt_whole_and_streamed() {
     );
     assert!(server.is_idle());
 }
+
+/// `best_of`: the candidates are the choices a lone request seeded `seed + i` draws, and the
+/// answer is the one with the highest log-probability per token; every candidate's tokens are
+/// counted.
+#[test]
+fn best_of_answers_the_likeliest_candidate() {
+    let server = Server::start(&smollm2(), CONFIG);
+    let ask = |seed: u64| {
+        json!({
+            "prompt": "The old lighthouse keeper said", "seed": seed, "temperature": 1.2,
+            "max_tokens": 8, "ignore_eos": true,
+        })
+    };
+    let mut lone = Vec::new();
+    for i in 0..3 {
+        let mut body = ask(80 + i);
+        body["logprobs"] = json!(0);
+        let (status, _, answer) = server.post("/v1/completions", &body);
+        assert_eq!(status, 200, "{answer}");
+        let choice = &answer["choices"][0];
+        let lps: Vec<f64> = choice["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l.as_f64().unwrap())
+            .collect();
+        let mean = lps.iter().sum::<f64>() / lps.len() as f64;
+        lone.push((mean, choice["text"].as_str().unwrap().to_string()));
+    }
+    let best = lone
+        .iter()
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .unwrap()
+        .1
+        .clone();
+    // Seed 80's third candidate is the likeliest: not simply the first.
+    let mut body = ask(80);
+    body["best_of"] = json!(3);
+    let (status, _, answer) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{answer}");
+    let choices = answer["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 1);
+    assert_eq!(choices[0]["index"], 0);
+    assert_eq!(choices[0]["text"], best.as_str(), "{lone:?}");
+    assert_ne!(
+        best, lone[0].1,
+        "the test needs a best candidate other than the first"
+    );
+    assert!(choices[0]["logprobs"].is_null(), "not asked for");
+    assert_eq!(answer["usage"]["completion_tokens"], 24);
+
+    for (extra, param) in [
+        (json!({"best_of": 1, "n": 2}), "best_of"),
+        (json!({"best_of": 3, "stream": true}), "best_of"),
+        (json!({"best_of": 65}), "best_of"),
+    ] {
+        let mut body = ask(1);
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (status, _, answer) = server.post("/v1/completions", &body);
+        assert_eq!(status, 400, "{body} -> {answer}");
+        assert_eq!(answer["error"]["param"], param, "{answer}");
+    }
+    assert!(server.is_idle());
+}

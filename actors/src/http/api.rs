@@ -2,7 +2,7 @@
 //! tokenized request.
 //!
 //! Unknown fields are ignored, as OpenAI's own clients send fields a server may not know. Known
-//! fields snapserve cannot honour (`best_of` above 1, `suffix`, image parts, `echo` with
+//! fields snapserve cannot honour (`suffix`, image parts, `echo` with
 //! `logprobs`) are refused with a 400 that names them, never silently dropped.
 //!
 //! Structured outputs (`response_format`, and vLLM's `guided_json`, `guided_regex` and
@@ -183,6 +183,9 @@ pub struct Prepared {
     pub tools: Option<ToolUse>,
     /// Choices to generate (OpenAI's `n`), sharing the prompt's computation.
     pub n: usize,
+    /// Candidates to generate when more than `n` (completions' `best_of`): the `n` with the
+    /// highest log-probability per token are answered.
+    pub best_of: Option<usize>,
 }
 
 /// The most choices one request may ask for.
@@ -407,6 +410,7 @@ impl Sampling {
             echo: None,
             tools: None,
             n: self.choices()?,
+            best_of: None,
         })
     }
 }
@@ -422,7 +426,7 @@ pub fn check_model(asked: Option<&str>, model: &Model) -> Result<(), ApiError> {
 impl CompletionRequest {
     pub fn prepare(&self, model: &Model) -> Result<Prepared, ApiError> {
         check_model(self.model.as_deref(), model)?;
-        self.sampling.choices()?;
+        let n = self.sampling.choices()?;
         let refuse = |param: &str, what: &str| {
             Err(ApiError::invalid_param(
                 param,
@@ -441,9 +445,28 @@ impl CompletionRequest {
                 "echo together with logprobs (the prompt's logprobs)",
             );
         }
-        if self.best_of.is_some_and(|b| b != 1) {
-            return refuse("best_of", "best_of above 1");
-        }
+        let best_of = match self.best_of {
+            None => None,
+            Some(b) if b < n => {
+                return Err(ApiError::invalid_param(
+                    "best_of",
+                    format!("best_of ({b}) must be at least n ({n})"),
+                ));
+            }
+            Some(b) if b > MAX_CHOICES => {
+                return Err(ApiError::invalid_param(
+                    "best_of",
+                    format!("at most {MAX_CHOICES} candidates, got {b}"),
+                ));
+            }
+            Some(b) if b > n && self.sampling.stream == Some(true) => {
+                return Err(ApiError::invalid_param(
+                    "best_of",
+                    "best_of above n cannot be streamed: the best are known only at the end",
+                ));
+            }
+            Some(b) => (b > n).then_some(b),
+        };
         if self.suffix.is_some() {
             return refuse("suffix", "suffix");
         }
@@ -479,7 +502,11 @@ impl CompletionRequest {
         let prepared =
             self.sampling
                 .prepare(model, prompt, self.max_tokens, 16, self.logprobs, None)?;
-        Ok(Prepared { echo, ..prepared })
+        Ok(Prepared {
+            echo,
+            best_of,
+            ..prepared
+        })
     }
 }
 

@@ -259,16 +259,23 @@ async fn respond(
         echo,
         tools,
         n,
+        best_of,
     } = prepared;
     let prompt_tokens = prompt.len();
     let stops = params.stop.clone();
     let logprobs = params.logprobs.is_some();
+    let mut params = params;
+    if best_of.is_some() {
+        // Candidates are ranked by their tokens' log-probabilities.
+        params.logprobs.get_or_insert(0);
+    }
+    let candidates = best_of.unwrap_or(n);
     let streams = state
         .handles
-        .submit_choices(GenerateRequest { prompt, params }, n)
+        .submit_choices(GenerateRequest { prompt, params }, candidates)
         .await?;
     crate::metrics::prompt_accepted(prompt_tokens);
-    let mut outputs: Vec<Output> = Vec::with_capacity(n);
+    let mut outputs: Vec<Output> = Vec::with_capacity(candidates);
     for (index, events) in streams.into_iter().enumerate() {
         let output = Output::new(state.model.clone(), events, &stops, prompt_tokens, kind)
             .echoing(echo.clone())
@@ -286,7 +293,7 @@ async fn respond(
             .insert_header(("Cache-Control", "no-cache"))
             .streaming(Output::events(outputs, include_usage)))
     } else {
-        let body = Output::whole(outputs).await?;
+        let body = Output::whole(outputs, n).await?;
         Ok(HttpResponse::Ok().json(body))
     }
 }

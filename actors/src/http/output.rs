@@ -67,6 +67,9 @@ pub struct Output {
     offset: usize,
     /// Reads tool calls out of the reply, when the request offered tools.
     tools: Option<ToolReader>,
+    /// The sum of the log-probabilities of the tokens read, and how many had one (the
+    /// ranking of `best_of` candidates).
+    score: (f64, usize),
 }
 
 /// Splits a streamed reply into content, answered as it comes, and tool calls, held from
@@ -167,6 +170,7 @@ impl Output {
             logprobs: None,
             offset: 0,
             tools: None,
+            score: (0.0, 0),
         }
     }
 
@@ -223,6 +227,10 @@ impl Output {
             match event {
                 Some(Event::Token(token)) => {
                     self.completion_tokens += 1;
+                    if let Some(scored) = events.logprobs() {
+                        self.score.0 += f64::from(scored.logprob);
+                        self.score.1 += 1;
+                    }
                     if let (Some(list), Some(scored)) = (&mut self.logprobs, events.logprobs())
                         && !self.model.eos_token_ids.contains(&token)
                     {
@@ -379,8 +387,9 @@ impl Output {
         })
     }
 
-    /// Reads the choice to its end: its `choices` entry and its usage.
-    async fn whole_choice(mut self) -> Result<(Value, Value), ApiError> {
+    /// Reads the choice to its end: its `choices` entry, its usage, and its mean token
+    /// log-probability (for `best_of`).
+    async fn whole_choice(mut self) -> Result<(Value, Value, f64), ApiError> {
         let mut text = String::new();
         let mut scored = Vec::new();
         loop {
@@ -419,16 +428,19 @@ impl Output {
                             "finish_reason": "tool_calls",
                         }),
                     };
-                    return Ok((choice, usage));
+                    let mean = self.score.0 / self.score.1.max(1) as f64;
+                    return Ok((choice, usage, mean));
                 }
             }
         }
     }
 
     /// Reads every choice of a request (`outputs`, in order) to its end and answers in one
-    /// body. The first failure answers the request; the other choices are then dropped, which
-    /// cancels them.
-    pub async fn whole(outputs: Vec<Output>) -> Result<Value, ApiError> {
+    /// body with `n` of them: all, or, when there are more (`best_of`), the `n` with the
+    /// highest log-probability per token, in that order. The usage counts every candidate. The
+    /// first failure answers the request; the other choices are then dropped, which cancels
+    /// them.
+    pub async fn whole(outputs: Vec<Output>, n: usize) -> Result<Value, ApiError> {
         let head = outputs.first().expect("a request has a choice");
         let object = match head.kind {
             Kind::Completion => "text_completion",
@@ -436,10 +448,21 @@ impl Output {
         };
         let mut body = head.envelope(object, Value::Null);
         let read = outputs.into_iter().map(Output::whole_choice);
-        let (choices, usages): (Vec<Value>, Vec<Value>) = futures_util::future::try_join_all(read)
-            .await?
+        let mut read = futures_util::future::try_join_all(read).await?;
+        let usages: Vec<Value> = read.iter().map(|(_, usage, _)| usage.clone()).collect();
+        if read.len() > n {
+            // Best first; equal scores keep the candidates' order.
+            read.sort_by(|a, b| b.2.total_cmp(&a.2));
+            read.truncate(n);
+        }
+        let choices = read
             .into_iter()
-            .unzip();
+            .enumerate()
+            .map(|(index, (mut choice, _, _))| {
+                choice["index"] = json!(index);
+                choice
+            })
+            .collect();
         body["choices"] = Value::Array(choices);
         body["usage"] = merge_usage(&usages);
         Ok(body)
