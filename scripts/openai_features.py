@@ -6,9 +6,9 @@
 
 Checks models.retrieve, json_schema structured output (parsed and checked field by field),
 json_object, logprobs/top_logprobs (whole and streamed), forced and named tool calls (whole,
-and streamed as the SDK assembles them), a tool result sent back, logit_bias, and n choices
-(whole and streamed; each what a lone request with its seed draws). Prints one line per check
-and exits non-zero on any mismatch.
+and streamed as the SDK assembles them), a tool result sent back, logit_bias, n choices
+(whole and streamed; each what a lone request with its seed draws), and best_of. Prints one
+line per check and exits non-zero on any mismatch.
 """
 
 import argparse
@@ -178,6 +178,22 @@ def main():
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
     check("n = 2 streamed, chunks by index", texts == lone[:2], f"{texts} vs {lone[:2]}")
+
+    ranked = client.completions.create(
+        model=model, prompt="The old lighthouse keeper said", best_of=3, n=1, seed=80,
+        temperature=1.2, max_tokens=8, logprobs=0,
+    )
+    means = []
+    for i in range(3):
+        alone = client.completions.create(
+            model=model, prompt="The old lighthouse keeper said", seed=80 + i,
+            temperature=1.2, max_tokens=8, logprobs=0,
+        ).choices[0]
+        lps = alone.logprobs.token_logprobs
+        means.append((sum(lps) / max(len(lps), 1), alone.text))
+    check("best_of answers the likeliest candidate",
+          len(ranked.choices) == 1 and ranked.choices[0].text == max(means)[1],
+          f"{ranked.choices[0].text!r} vs {means}")
 
     print(f"{len(failures)} failed" if failures else "all passed")
     return 1 if failures else 0
