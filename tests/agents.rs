@@ -201,6 +201,26 @@ fn structured_outputs_parse_and_validate_whole_and_streamed() {
         assert_eq!(text, content, "seeded stream and whole answer differ");
     }
 
+    // Several choices: each holds its own copy of the grammar, so every one validates.
+    let request = json!({
+        "messages": messages, "max_tokens": 120, "temperature": 1.0, "seed": 3, "n": 3,
+        "response_format": format,
+    });
+    let (status, _, body) = server.post("/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{body}");
+    let contents: Vec<&str> = body["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["message"]["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(contents.len(), 3);
+    for content in &contents {
+        let value: Value = serde_json::from_str(content)
+            .unwrap_or_else(|e| panic!("{content:?} is not JSON: {e}"));
+        assert!(validator.is_valid(&value), "{value} fails the schema");
+    }
+
     // Any JSON object.
     let request = json!({
         "messages": [{"role": "user", "content": "Give the name and the age of a cat, in JSON."}],
