@@ -280,33 +280,10 @@ impl Scheduler {
             ..SamplingParams::default()
         };
         let request = GenerateRequest { prompt, params };
-        self.validate(&request)?;
-        if self.draining {
-            return Err(ServeError::ShuttingDown);
-        }
-        if self.queue.len() >= self.config.max_queue {
-            return Err(ServeError::Overloaded {
-                retry_after: self.retry_after(),
-            });
-        }
-        let id = RequestId(self.next_id);
-        self.next_id += 1;
-        let sampler = Sampler::new(&request.params, &request.prompt);
-        let (events, receiver) = mpsc::unbounded_channel();
-        let stopped = StopFlag::default();
-        let mut job = Job::new(
-            id,
-            request.prompt,
-            1,
-            sampler,
-            events,
-            stopped.clone(),
-            Instant::now(),
-        );
+        let stream = self.submit(request)?;
+        let job = self.queue.back_mut().expect("submit queued it");
         job.keep_prompt = true;
-        self.queue.push_back(job);
-        self.stats.submitted += 1;
-        Ok(RequestStream::new(id, receiver, stopped))
+        Ok(stream)
     }
 
     fn validate(&self, request: &GenerateRequest) -> Result<(), ServeError> {

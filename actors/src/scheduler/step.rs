@@ -708,22 +708,16 @@ impl Scheduler {
         let mut wanted: Vec<(usize, usize, SaveKind)> = Vec::new();
         for row in draft.rows.iter().filter(|r| r.live) {
             let job = &self.running[row.job];
-            let completes_prompt = row.start < job.prompt_len && row.end >= job.prompt_len;
-            if completes_prompt && job.keep_prompt {
-                wanted.push((row.job, job.prompt_len / pt, SaveKind::Kept));
+            if !(row.start < job.prompt_len && row.end >= job.prompt_len) {
+                continue;
             }
-        }
-        if self.config.save_prompts {
-            for row in draft.rows.iter().filter(|r| r.live) {
-                let job = &self.running[row.job];
-                let completes_prompt = row.start < job.prompt_len && row.end >= job.prompt_len;
-                if completes_prompt
-                    && !job.keep_prompt
-                    && !job.prompt_saved
-                    && job.prompt_len >= self.config.min_save_tokens.max(pt)
-                {
-                    wanted.push((row.job, job.prompt_len / pt, SaveKind::Prompt));
-                }
+            if job.keep_prompt {
+                wanted.push((row.job, job.prompt_len / pt, SaveKind::Kept));
+            } else if self.config.save_prompts
+                && !job.prompt_saved
+                && job.prompt_len >= self.config.min_save_tokens.max(pt)
+            {
+                wanted.push((row.job, job.prompt_len / pt, SaveKind::Prompt));
             }
         }
         for &index in &draft.preempting {

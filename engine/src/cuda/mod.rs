@@ -472,14 +472,19 @@ impl CudaBackend {
     /// Gathers pool pages into a backing (`save`) or scatters it back.
     fn copy_pages(&mut self, backing: BackingId, copies: &[PageCopy], save: bool) -> Result<()> {
         self.device.bind()?;
-        let pool = PoolPages {
-            pool: &self.pool,
-            pages: self.info.num_pages,
-            page_bytes: self.info.geometry.page_bytes(),
-            layers: self.config.num_layers,
-        };
+        let pool = pool_pages(&self.pool, &self.info, &self.config);
         self.backings
             .copy_pages(&self.kernels, &pool, backing, copies, save)
+    }
+}
+
+/// The working pool as snapshot and clone copies see it.
+fn pool_pages<'a>(pool: &'a KvPool, info: &BackendInfo, config: &ModelConfig) -> PoolPages<'a> {
+    PoolPages {
+        pool,
+        pages: info.num_pages,
+        page_bytes: info.geometry.page_bytes(),
+        layers: config.num_layers,
     }
 }
 
@@ -592,12 +597,7 @@ impl Backend for CudaBackend {
 
     fn clone_pages(&mut self, clones: &[PageClone]) -> Result<()> {
         self.device.bind()?;
-        let pool = PoolPages {
-            pool: &self.pool,
-            pages: self.info.num_pages,
-            page_bytes: self.info.geometry.page_bytes(),
-            layers: self.config.num_layers,
-        };
+        let pool = pool_pages(&self.pool, &self.info, &self.config);
         self.backings.clone_pages(&self.kernels, &pool, clones)
     }
 
