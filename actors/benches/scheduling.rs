@@ -16,7 +16,7 @@ use actors::scheduler::Scheduler;
 use actors::{GenerateRequest, Parts, ServeConfig};
 use cache::{BackingId, KvGeometry, PageClone, PageCopy, Tier};
 use engine::EngineError;
-use engine::backend::{Backend, BackendInfo, MemoryReport, StepOutput, StepPlan};
+use engine::backend::{Backend, BackendInfo, HostRun, MemoryReport, StepOutput, StepPlan};
 use engine::sampling::SamplingParams;
 use policy::Policies;
 
@@ -74,6 +74,24 @@ impl Backend for NullBackend {
     }
     fn backing_ids(&self) -> Vec<BackingId> {
         Vec::new()
+    }
+    fn restore_verdicts(&mut self) -> Result<Vec<bool>, EngineError> {
+        Ok(Vec::new())
+    }
+    fn backing_sums(&mut self, _: BackingId) -> Result<Vec<u64>, EngineError> {
+        Ok(Vec::new())
+    }
+    fn set_backing_sums(&mut self, _: BackingId, _: &[u64]) -> Result<(), EngineError> {
+        Ok(())
+    }
+    fn host_runs(&mut self, _: BackingId) -> Result<Vec<HostRun>, EngineError> {
+        Ok(Vec::new())
+    }
+    fn read_backing(&mut self, _: BackingId) -> Result<Vec<u8>, EngineError> {
+        Ok(Vec::new())
+    }
+    fn flip_byte(&mut self, _: BackingId, _: u64, _: u8) -> Result<(), EngineError> {
+        Ok(())
     }
     fn memory(&self) -> MemoryReport {
         MemoryReport::default()

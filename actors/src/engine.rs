@@ -17,14 +17,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use actix::{Actor, Handler, Message, MessageResult, SyncContext};
-use cache::{BackingId, Eviction, PageClone, PageCopy, SnapshotId, Tier};
+use cache::{BackingId, Eviction, PageClone, PageCopy, PrefixHash, SnapshotId, Tier};
 use engine::EngineError;
-use engine::backend::{Backend, BackendInfo, MemoryReport, RowPlan, StepOutput, StepPlan};
+use engine::backend::{Backend, BackendInfo, HostRun, MemoryReport, RowPlan, StepOutput, StepPlan};
 use engine::sampling::Sampler;
 use engine::stop::is_stop_token;
 
 pub use crate::exchange::{
-    EngineStep, EngineStepReply, RestoreCopy, SampledTokens, SaveCopy, StepShape,
+    EngineStep, EngineStepReply, RestoreCopy, RestoreFault, SampledTokens, SaveCopy, StepShape,
 };
 
 pub struct Engine {
@@ -39,6 +39,17 @@ pub struct Engine {
     /// Device backings of demotions reported this step, freed once the step's restores
     /// (which may still read them) are queued.
     demoted_sources: Vec<BackingId>,
+    /// What each filled backing holds, as its save recorded it: a restore that names another
+    /// snapshot or prefix is refused (a store that pointed at the wrong buffer would restore
+    /// someone else's KV, seed 002).
+    frames: HashMap<BackingId, BackingFrame>,
+}
+
+/// The identity half of a backing's frame; the bytes' half is the backend's block sums.
+#[derive(Debug, Clone)]
+struct BackingFrame {
+    snapshot: SnapshotId,
+    chain: Arc<[PrefixHash]>,
 }
 
 /// A demotion whose copy runs beside the steps.
@@ -59,6 +70,7 @@ impl Engine {
             alive: Arc::new(AtomicBool::new(true)),
             demoting: HashMap::new(),
             demoted_sources: Vec::new(),
+            frames: HashMap::new(),
         }
     }
 
@@ -101,6 +113,9 @@ impl Engine {
                     .and_then(|()| self.backend.copy_backing(eviction.backing, to));
                 match started {
                     Ok(()) => {
+                        if let Some(frame) = self.frames.get(&eviction.backing).cloned() {
+                            self.frames.insert(to, frame);
+                        }
                         let demotion = Demotion {
                             snapshot: eviction.snapshot,
                             from: eviction.backing,
@@ -115,6 +130,7 @@ impl Engine {
                     }
                 }
             }
+            self.frames.remove(&eviction.backing);
             if let Err(e) = self.backend.free_backing(eviction.backing) {
                 tracing::error!("freeing evicted {}: {e}", eviction.backing);
             }
@@ -134,6 +150,7 @@ impl Engine {
             };
             if let Err(e) = &result {
                 tracing::warn!("demoting {}: {e}", demotion.snapshot);
+                self.frames.remove(&to);
                 if let Err(e) = self.backend.free_backing(to) {
                     tracing::error!("freeing {to}: {e}");
                 }
@@ -145,6 +162,7 @@ impl Engine {
 
     fn free_demoted_sources(&mut self) {
         for from in self.demoted_sources.drain(..) {
+            self.frames.remove(&from);
             if let Err(e) = self.backend.free_backing(from) {
                 tracing::error!("freeing demoted {from}: {e}");
             }
@@ -174,7 +192,73 @@ impl Engine {
             .map_err(|e| {
                 let _ = self.backend.free_backing(save.backing);
                 e.to_string()
+            })?;
+        let frame = BackingFrame {
+            snapshot: save.snapshot,
+            chain: save.chain.as_slice().into(),
+        };
+        self.frames.insert(save.backing, frame);
+        Ok(())
+    }
+
+    /// Queues one restore after checking the backing's frame names what the store asked for.
+    /// `Ok(true)`: queued, its checksums verdict to come; `Ok(false)`: refused by its frame.
+    fn restore(&mut self, restore: &RestoreCopy) -> Result<bool, String> {
+        let pages = restore.copies.len();
+        let matches = self.frames.get(&restore.backing).is_some_and(|frame| {
+            frame.snapshot == restore.snapshot
+                && pages > 0
+                && frame.chain.get(pages - 1) == Some(&restore.prefix)
+        });
+        if !matches {
+            return Ok(false);
+        }
+        self.backend
+            .restore_pages(restore.backing, &restore.copies)
+            .map(|()| true)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Each restore's outcome once the step ran: the backend's checksum verdicts joined to the
+    /// restores they belong to. A corrupt one's backing is forgotten here (the store drops it).
+    fn restore_outcomes(
+        &mut self,
+        restores: &[RestoreCopy],
+        queued: Vec<Result<bool, String>>,
+    ) -> Vec<Result<(), RestoreFault>> {
+        let verdicts = self.backend.restore_verdicts();
+        let mut verdicts = match verdicts {
+            Ok(verdicts) => verdicts.into_iter(),
+            Err(e) => {
+                let reason = format!("reading the restores' checksums: {e}");
+                return queued
+                    .iter()
+                    .map(|_| Err(RestoreFault::Failed(reason.clone())))
+                    .collect();
+            }
+        };
+        restores
+            .iter()
+            .zip(queued)
+            .map(|(restore, queued)| {
+                let reason = match queued {
+                    Err(e) => return Err(RestoreFault::Failed(e)),
+                    Ok(false) => "its frame names another snapshot or prefix",
+                    Ok(true) if verdicts.next().unwrap_or(false) => return Ok(()),
+                    Ok(true) => "a block's checksum does not match",
+                };
+                tracing::error!(
+                    "{} ({} tier, {}): refused, recomputing: {reason}",
+                    restore.snapshot,
+                    restore.tier,
+                    restore.backing
+                );
+                Err(RestoreFault::Corrupt {
+                    tier: restore.tier,
+                    reason: reason.into(),
+                })
             })
+            .collect()
     }
 
     fn forward(
@@ -315,15 +399,8 @@ impl Engine {
         let mut demotions = Vec::new();
         self.reap_demotions(false, &mut demotions);
         self.evict(&step.evictions, &mut demotions);
-        let restores = step
-            .restores
-            .iter()
-            .map(|r| {
-                self.backend
-                    .restore_pages(r.backing, &r.copies)
-                    .map_err(|e| e.to_string())
-            })
-            .collect();
+        let queued: Vec<Result<bool, String>> =
+            step.restores.iter().map(|r| self.restore(r)).collect();
         let forks = step
             .forks
             .iter()
@@ -338,11 +415,15 @@ impl Engine {
             &step.row_steps,
             &mut first_step_seconds,
         );
+        let restores = self.restore_outcomes(&step.restores, queued);
         let saves = match &forward {
             Ok(_) => step
                 .saves
                 .iter()
-                .map(|s| self.save(s, &mut demotions))
+                .map(|s| match s.after_restore.map(|r| &restores[r]) {
+                    Some(Err(fault)) => Err(format!("not saved: its restore failed: {fault}")),
+                    _ => self.save(s, &mut demotions),
+                })
                 .collect(),
             Err(e) => step
                 .saves
@@ -430,6 +511,24 @@ impl Backend for Stopped {
     fn backing_ids(&self) -> Vec<BackingId> {
         Vec::new()
     }
+    fn restore_verdicts(&mut self) -> Result<Vec<bool>, EngineError> {
+        Ok(Vec::new())
+    }
+    fn backing_sums(&mut self, _: BackingId) -> Result<Vec<u64>, EngineError> {
+        Err(EngineError::ShutDown)
+    }
+    fn set_backing_sums(&mut self, _: BackingId, _: &[u64]) -> Result<(), EngineError> {
+        Err(EngineError::ShutDown)
+    }
+    fn host_runs(&mut self, _: BackingId) -> Result<Vec<HostRun>, EngineError> {
+        Err(EngineError::ShutDown)
+    }
+    fn read_backing(&mut self, _: BackingId) -> Result<Vec<u8>, EngineError> {
+        Err(EngineError::ShutDown)
+    }
+    fn flip_byte(&mut self, _: BackingId, _: u64, _: u8) -> Result<(), EngineError> {
+        Err(EngineError::ShutDown)
+    }
     fn memory(&self) -> MemoryReport {
         MemoryReport::default()
     }
@@ -451,9 +550,42 @@ impl Handler<FreeBacking> for Engine {
 impl Engine {
     /// Frees a snapshot buffer the store gave up outside a step.
     pub fn free_backing(&mut self, backing: BackingId) {
+        self.frames.remove(&backing);
         if let Err(e) = self.backend.free_backing(backing) {
             tracing::error!("freeing {backing}: {e}");
         }
+    }
+}
+
+/// Fault injection: XORs one byte of a snapshot buffer (see `Handles::corrupt_snapshot`).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), String>")]
+pub struct FlipByte {
+    pub backing: BackingId,
+    pub offset: u64,
+    pub mask: u8,
+}
+
+impl Handler<FlipByte> for Engine {
+    type Result = Result<(), String>;
+
+    fn handle(&mut self, msg: FlipByte, _: &mut SyncContext<Self>) -> Self::Result {
+        self.backend
+            .flip_byte(msg.backing, msg.offset, msg.mask)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// The snapshot buffers the backend holds now.
+#[derive(Debug, Message)]
+#[rtype(result = "Vec<BackingId>")]
+pub struct GetBackings;
+
+impl Handler<GetBackings> for Engine {
+    type Result = MessageResult<GetBackings>;
+
+    fn handle(&mut self, _: GetBackings, _: &mut SyncContext<Self>) -> Self::Result {
+        MessageResult(self.backend.backing_ids())
     }
 }
 

@@ -69,6 +69,8 @@ pub enum StoreOp {
     AbortSave(SaveReservation),
     CommitDemotion(SnapshotId),
     AbortDemotion(SnapshotId),
+    /// A restore found the snapshot corrupt: drop it.
+    DropCorrupt(SnapshotId),
 }
 
 /// The answer to one [`StoreOp`], in the same position.
@@ -78,6 +80,8 @@ pub enum StoreReply {
     Restore(Result<RestorePlan, CacheError>),
     Save(Result<SaveStart, CacheError>),
     Done(Result<(), CacheError>),
+    /// Done, and these buffers are to be freed.
+    Freed(Result<Vec<Eviction>, CacheError>),
 }
 
 /// A snapshot to fill: allocate `backing` and copy pool pages into it.
@@ -87,6 +91,13 @@ pub struct SaveCopy {
     pub tier: Tier,
     pub bytes: u64,
     pub copies: Vec<PageCopy>,
+    /// What the backing will hold: its frame's identity.
+    pub snapshot: SnapshotId,
+    /// The chained hash of each page saved.
+    pub chain: Vec<PrefixHash>,
+    /// The restore of this step (by position) whose pages this save copies: if that restore
+    /// is refused as corrupt, so is the save.
+    pub after_restore: Option<usize>,
 }
 
 /// A snapshot to copy into pool pages before the forward pass.
@@ -94,6 +105,31 @@ pub struct SaveCopy {
 pub struct RestoreCopy {
     pub backing: BackingId,
     pub copies: Vec<PageCopy>,
+    /// What the backing must hold: this snapshot, whose page `copies.len() - 1` has the
+    /// chained hash `prefix`. Checked against the frame the save left.
+    pub snapshot: SnapshotId,
+    pub prefix: PrefixHash,
+    pub tier: Tier,
+}
+
+/// Why a restore did not give its pages their bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RestoreFault {
+    /// The copy could not run.
+    Failed(String),
+    /// The backing's frame or a block's checksum did not match: the bytes are not used.
+    Corrupt { tier: Tier, reason: String },
+}
+
+impl std::fmt::Display for RestoreFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RestoreFault::Failed(reason) => f.write_str(reason),
+            RestoreFault::Corrupt { tier, reason } => {
+                write!(f, "the {tier} tier's copy is corrupt: {reason}")
+            }
+        }
+    }
 }
 
 /// Everything the backend does for one scheduler step.
@@ -157,7 +193,7 @@ pub struct EngineStepReply {
     pub demotions: Vec<(SnapshotId, bool)>,
     /// The engine is gone: demotions it had started will never be reported.
     pub engine_gone: bool,
-    pub restores: Vec<Result<(), String>>,
+    pub restores: Vec<Result<(), RestoreFault>>,
     /// One per fork of the step, in order.
     pub forks: Vec<Result<(), String>>,
     /// The tokens each row sampled, or why the forward pass failed.
@@ -196,7 +232,7 @@ impl EngineStepReply {
         EngineStepReply {
             demotions: Vec::new(),
             engine_gone: true,
-            restores: vec![Err(reason.to_string()); shape.restores],
+            restores: vec![Err(RestoreFault::Failed(reason.to_string())); shape.restores],
             forks: vec![Err(reason.to_string()); shape.forks],
             forward: Err(reason.to_string()),
             first_step_seconds: 0.0,

@@ -75,6 +75,10 @@ fn describe() {
             "Snapshot lookups that found a stored prefix.",
         ),
         (
+            "snapserve_snapshot_corrupt_total",
+            "Snapshots refused because a copy's frame or block checksums did not match, by the tier read; the request recomputed.",
+        ),
+        (
             "snapserve_snapshot_misses_total",
             "Snapshot lookups that found none.",
         ),
@@ -196,6 +200,12 @@ pub async fn render(handles: &Handles, prometheus: &PrometheusHandle) -> String 
     counter!("snapserve_preemptions_total").absolute(scheduler.preemptions);
     counter!("snapserve_scheduler_steps_total").absolute(scheduler.steps);
     counter!("snapserve_multi_step_steps_total").absolute(scheduler.multi_steps);
+    for (tier, count) in ["device", "host"]
+        .into_iter()
+        .zip(scheduler.corrupt_restores)
+    {
+        counter!("snapserve_snapshot_corrupt_total", "tier" => tier).absolute(count);
+    }
 
     let pool = stats.pool;
     let usage = pool.used_pages as f64 / pool.total_pages.max(1) as f64;

@@ -72,8 +72,9 @@ impl SnapshotStore {
             }
             StoreOp::AbortSave(reservation) => StoreReply::Done(self.store.abort_save(reservation)),
             StoreOp::CommitDemotion(snapshot) => {
-                StoreReply::Done(self.store.commit_demotion(snapshot))
+                StoreReply::Freed(self.store.commit_demotion(snapshot))
             }
+            StoreOp::DropCorrupt(snapshot) => StoreReply::Freed(self.store.drop_corrupt(snapshot)),
             StoreOp::AbortDemotion(snapshot) => {
                 StoreReply::Done(self.store.abort_demotion(snapshot))
             }

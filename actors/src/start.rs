@@ -14,7 +14,7 @@ use policy::Policies;
 use crate::admission::{
     Admission, Cancel, CutAll, Drain, GetSchedulerStats, Submit, SubmitChoices, SubmitKept,
 };
-use crate::engine::{Engine, FreeBacking, GetMemory};
+use crate::engine::{Engine, FlipByte, FreeBacking, GetBackings, GetMemory};
 use crate::error::ServeError;
 use crate::kv_pool::{GetPoolStats, KvPool};
 use crate::request::{Event, GenerateRequest, RequestId, RequestStream, Usage};
@@ -245,6 +245,36 @@ impl Handles {
             .unwrap_or(Err(CacheError::UnknownSnapshot { snapshot: id }))?;
         self.engine.do_send(FreeBacking(backing));
         Ok(())
+    }
+
+    /// The snapshot buffers the engine holds now (every one should be a stored snapshot's).
+    pub async fn backings(&self) -> Vec<cache::BackingId> {
+        self.engine.send(GetBackings).await.unwrap_or_default()
+    }
+
+    /// Fault injection for drills and tests: XORs byte `offset` of snapshot `id`'s buffer with
+    /// `mask` (a bad memory cell). The next restore of it is refused and recomputes.
+    pub async fn corrupt_snapshot(
+        &self,
+        id: SnapshotId,
+        offset: u64,
+        mask: u8,
+    ) -> Result<(), String> {
+        let info = self
+            .store
+            .send(GetSnapshot(id))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        let backing = info.demoting_from.unwrap_or(info.backing);
+        self.engine
+            .send(FlipByte {
+                backing,
+                offset,
+                mask,
+            })
+            .await
+            .map_err(|e| e.to_string())?
     }
 
     /// Cancels a request; it ends with `Cancelled` within one step.

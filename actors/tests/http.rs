@@ -66,6 +66,27 @@ impl Backend for PanickingBackend {
     fn backing_ids(&self) -> Vec<cache::BackingId> {
         Vec::new()
     }
+    fn restore_verdicts(&mut self) -> Result<Vec<bool>, EngineError> {
+        Ok(Vec::new())
+    }
+    fn backing_sums(&mut self, _: cache::BackingId) -> Result<Vec<u64>, EngineError> {
+        Ok(Vec::new())
+    }
+    fn set_backing_sums(&mut self, _: cache::BackingId, _: &[u64]) -> Result<(), EngineError> {
+        Ok(())
+    }
+    fn host_runs(
+        &mut self,
+        _: cache::BackingId,
+    ) -> Result<Vec<engine::backend::HostRun>, EngineError> {
+        Ok(Vec::new())
+    }
+    fn read_backing(&mut self, _: cache::BackingId) -> Result<Vec<u8>, EngineError> {
+        Ok(Vec::new())
+    }
+    fn flip_byte(&mut self, _: cache::BackingId, _: u64, _: u8) -> Result<(), EngineError> {
+        Ok(())
+    }
     fn memory(&self) -> MemoryReport {
         MemoryReport::default()
     }

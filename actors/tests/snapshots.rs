@@ -144,3 +144,78 @@ async fn a_prompt_is_saved_on_its_second_sighting() {
         "(skipped, saved, hits) after each request"
     );
 }
+
+/// A snapshot whose bytes went bad in memory is refused when restored: the request computes
+/// its prompt instead and gives the cold run's tokens, reports no cached tokens, the snapshot
+/// is dropped (and its buffer freed), and the corruption is counted by tier. The next request
+/// saves the prefix anew and restores it.
+#[actix_rt::test]
+async fn a_corrupt_snapshot_is_refused_dropped_and_recomputed() {
+    let model = TinyModel::new();
+    let vocab = model.files.config.vocab_size;
+    let system = prompt(41, 6 * PAGE + 3, vocab);
+    let ask = |seed: u64, tokens: usize| GenerateRequest {
+        prompt: [system.clone(), prompt(seed, 11, vocab)].concat(),
+        params: greedy(tokens),
+    };
+    let handles = actors::start(
+        Box::new(cpu_backend(&model.files, 64)),
+        serve_config(
+            &model.files,
+            policies(&format!("{SNAPSHOTS}save_replies = false\n")),
+        ),
+    )
+    .unwrap();
+    assert!(finished(
+        &handles.submit(ask(42, 4)).await.unwrap().collect().await
+    ));
+    wait_idle(&handles).await;
+    let saved = handles.snapshots().await;
+    assert_eq!(saved.len(), 1, "the first prompt was saved");
+    let bad = saved[0].id;
+    // One bit of one element in the fourth page's third block.
+    let page_bytes = saved[0].bytes / saved[0].pages as u64;
+    handles
+        .corrupt_snapshot(bad, 3 * page_bytes + 2 * page_bytes / 4 + 1, 0x08)
+        .await
+        .unwrap();
+
+    let second = ask(43, 9);
+    let expected = solo(&model.files, &second);
+    let completion = handles.submit(second).await.unwrap().collect().await;
+    assert!(finished(&completion), "{:?}", completion.end);
+    assert_eq!(completion.tokens, expected, "no corrupt KV was used");
+    if let actors::Event::Finished { usage, .. } = &completion.end {
+        assert_eq!(
+            usage.cached_tokens, 0,
+            "nothing was served from the snapshot"
+        );
+    }
+    let stats = wait_idle(&handles).await;
+    assert_eq!(stats.scheduler.corrupt_restores.iter().sum::<u64>(), 1);
+    assert_eq!(stats.store.corrupt, 1);
+    let now = handles.snapshots().await;
+    assert!(
+        now.iter().all(|s| s.id != bad),
+        "the corrupt snapshot is gone"
+    );
+    let mut held = handles.backings().await;
+    let mut listed: Vec<_> = now.iter().map(|s| s.backing).collect();
+    held.sort();
+    listed.sort();
+    assert_eq!(
+        held, listed,
+        "every buffer the engine holds is a listed snapshot's"
+    );
+
+    // The recomputed prompt was saved again, intact: the next one restores it.
+    let third = ask(44, 6);
+    let expected = solo(&model.files, &third);
+    let completion = handles.submit(third).await.unwrap().collect().await;
+    assert_eq!(completion.tokens, expected);
+    if let actors::Event::Finished { usage, .. } = &completion.end {
+        assert_eq!(usage.cached_tokens, 6 * PAGE);
+    }
+    let stats = wait_idle(&handles).await;
+    assert_eq!(stats.scheduler.corrupt_restores.iter().sum::<u64>(), 1);
+}

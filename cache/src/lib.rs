@@ -12,9 +12,11 @@
 //! - [`prefix`]: chained page hashes ([`PrefixHasher`]).
 //! - [`store`]: the snapshot store ([`SnapshotStore`]).
 //! - [`plan`]: page copies between snapshots and the pool.
+//! - [`checksum`]: the block sums every copy of snapshot bytes is checked by.
 //! - [`frame`]: the validated record of a save or restore ([`Frame`]).
 //! - [`error`]: the crate's one error type, [`CacheError`].
 
+pub mod checksum;
 pub mod error;
 pub mod frame;
 pub mod geometry;

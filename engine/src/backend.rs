@@ -12,7 +12,9 @@
 //! pool pages on restore. Which backings exist and what they may cost is the store's business.
 //! Copies between backings (demotions) may run beside the steps: a backend reports each one
 //! when it has ended ([`Backend::finished_copies`]), and until then its source stays
-//! allocated and readable.
+//! allocated and readable. Every copy that fills a backing records the sum of each block it
+//! wrote, and every restore checks the blocks it reads against them
+//! ([`Backend::restore_verdicts`]): bytes that went bad in any tier are refused, never served.
 
 use std::ops::Range;
 
@@ -246,8 +248,42 @@ pub trait Backend: Send {
     /// The backings allocated now, in no particular order.
     fn backing_ids(&self) -> Vec<BackingId>;
 
+    /// For each [`Backend::restore_pages`] since the last call, in order, whether every block
+    /// it read had the sum its snapshot was filled with ([`cache::checksum`]): a `false`
+    /// restore wrote bytes that must not be used. Answers once the restores have run (on a
+    /// device, after the step that followed them).
+    fn restore_verdicts(&mut self) -> Result<Vec<bool>>;
+
+    /// The block sums a backing was filled with, one per block in snapshot order.
+    fn backing_sums(&mut self, backing: BackingId) -> Result<Vec<u64>>;
+
+    /// Sets the block sums of a backing filled outside the backend (read from a file).
+    fn set_backing_sums(&mut self, backing: BackingId, sums: &[u64]) -> Result<()>;
+
+    /// Where a host-tier backing's bytes are, in snapshot order. The memory stays valid, and
+    /// is written by nothing else, until the backing is freed; the caller keeps it alive
+    /// while another thread reads or writes through these runs.
+    fn host_runs(&mut self, backing: BackingId) -> Result<Vec<HostRun>>;
+
+    /// A copy of a backing's bytes (any tier), once everything queued before has run.
+    fn read_backing(&mut self, backing: BackingId) -> Result<Vec<u8>>;
+
+    /// Fault injection for drills and tests: XORs byte `offset` of a backing with `mask`, as a
+    /// bad memory cell would.
+    fn flip_byte(&mut self, backing: BackingId, offset: u64, mask: u8) -> Result<()>;
+
     fn memory(&self) -> MemoryReport;
 }
+
+/// A contiguous range of host memory holding part of a backing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostRun {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+// SAFETY: a plain address; whoever dereferences it answers for the memory (see `host_runs`).
+unsafe impl Send for HostRun {}
 
 /// What a warm-up measured.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -94,6 +94,9 @@ pub struct SchedulerStats {
     /// Prompt tokens whose KV a request's other choices (`n` > 1) copied from its first one
     /// instead of computing.
     pub forked_tokens: u64,
+    /// Restores refused because the snapshot's frame or checksums did not match, by the tier
+    /// read (device, host); each request recomputed its prompt.
+    pub corrupt_restores: [u64; 2],
     pub queued: usize,
     pub running: usize,
 }

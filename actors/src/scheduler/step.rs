@@ -8,8 +8,8 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use cache::{
-    CacheError, LookupHit, PageClone, PoolStats, SaveReservation, SaveStart, SnapshotId,
-    page_clones,
+    CacheError, Eviction, LookupHit, PageClone, PoolStats, SaveReservation, SaveStart, SnapshotId,
+    Tier, page_clones,
 };
 use engine::backend::{LogitsWanted, RowPlan, StepPlan};
 use engine::sampling::Sampler;
@@ -19,8 +19,8 @@ use super::Scheduler;
 use super::job::{Job, Slot};
 use crate::error::ServeError;
 use crate::exchange::{
-    EngineStep, EngineStepReply, PoolOp, PoolReply, RestoreCopy, SampledTokens, SaveCopy, StoreOp,
-    StoreReply,
+    EngineStep, EngineStepReply, PoolOp, PoolReply, RestoreCopy, RestoreFault, SampledTokens,
+    SaveCopy, StoreOp, StoreReply,
 };
 use crate::request::{FinishReason, RequestId};
 
@@ -62,6 +62,7 @@ pub(super) enum StoreFollowUp {
     Abort(SaveReservation),
     CommitDemotion(SnapshotId),
     AbortDemotion(SnapshotId),
+    DropCorrupt(SnapshotId),
 }
 
 impl StoreFollowUp {
@@ -72,6 +73,7 @@ impl StoreFollowUp {
             StoreFollowUp::Abort(r) => StoreOp::AbortSave(r),
             StoreFollowUp::CommitDemotion(id) => StoreOp::CommitDemotion(id),
             StoreFollowUp::AbortDemotion(id) => StoreOp::AbortDemotion(id),
+            StoreFollowUp::DropCorrupt(id) => StoreOp::DropCorrupt(id),
         }
     }
 }
@@ -105,8 +107,9 @@ pub(super) struct Draft {
     /// the job, the first choice's index in `running`, and whether the prompt's last token
     /// runs in this step (else in the next).
     forks: Vec<(Job, usize, bool)>,
-    /// The page copies of the forks admitted, with their job's index in `running`.
-    fork_copies: Vec<(usize, Vec<PageClone>)>,
+    /// The page copies of the forks admitted, with their job's and their first choice's
+    /// indices in `running`.
+    fork_copies: Vec<(usize, usize, Vec<PageClone>)>,
     /// Prompt tokens the step may still take: what admitted jobs' first chunks share.
     prefill_left: usize,
     pool_purposes: Vec<PoolPurpose>,
@@ -119,6 +122,11 @@ pub(super) struct Draft {
     closed: Vec<usize>,
     restores: Vec<(usize, SnapshotId)>,
     saves: Vec<(usize, SaveKind, SaveReservation)>,
+    /// Buffers the last step's follow-ups gave up (corrupt snapshots): freed by this step.
+    freed: Vec<Eviction>,
+    /// Jobs whose restored (or forked) KV was refused as corrupt: what they sampled is not
+    /// delivered, and they compute their prompt again from the start.
+    recompute: Vec<usize>,
     /// Plan row index to draft row index, for the rows sent to the engine.
     sent_rows: Vec<usize>,
     /// Tokens of the rows sent to the engine (of its first decode step, in a multi-step one).
@@ -415,8 +423,12 @@ impl Scheduler {
         let mut draft = self.draft.take().expect("begin_step ran");
         let mut replies = replies.into_iter();
         for reply in replies.by_ref().take(draft.follow_ups) {
-            if let StoreReply::Done(Err(e)) = reply {
-                tracing::error!("snapshot store follow-up: {e}");
+            match reply {
+                StoreReply::Done(Err(e)) | StoreReply::Freed(Err(e)) => {
+                    tracing::error!("snapshot store follow-up: {e}");
+                }
+                StoreReply::Freed(Ok(freed)) => draft.freed.extend(freed),
+                _ => {}
             }
         }
         let hits: Vec<Option<LookupHit>> = replies
@@ -684,7 +696,7 @@ impl Scheduler {
         let clones = page_clones(pages, source, &slot.pages)
             .expect("both page tables hold the prompt's positions");
         let index = self.running.len();
-        draft.fork_copies.push((index, clones));
+        draft.fork_copies.push((index, leader, clones));
         job.computed = copied;
         job.fork_of = None;
         if runs_now {
@@ -747,12 +759,12 @@ impl Scheduler {
     pub fn plan_engine(&mut self, replies: Vec<StoreReply>) -> Option<EngineStep> {
         let mut draft = self.draft.take().expect("plan_store ran");
         let mut step = EngineStep {
-            evictions: Vec::new(),
+            evictions: std::mem::take(&mut draft.freed),
             restores: Vec::new(),
             forks: draft
                 .fork_copies
                 .iter_mut()
-                .map(|(_, clones)| std::mem::take(clones))
+                .map(|(_, _, clones)| std::mem::take(clones))
                 .collect(),
             plan: StepPlan::default(),
             samplers: Vec::new(),
@@ -825,6 +837,9 @@ impl Scheduler {
                 step.restores.push(RestoreCopy {
                     backing: plan.backing,
                     copies: plan.copies,
+                    snapshot: plan.snapshot,
+                    prefix: plan.prefix,
+                    tier: plan.tier,
                 });
                 draft.restores.push((index, plan.snapshot));
                 self.stats.restored_tokens += self.running[index].computed as u64;
@@ -855,11 +870,18 @@ impl Scheduler {
                 let copies = reservation
                     .copies(pages)
                     .expect("a save covers at most the pages the job holds");
+                let chain = self.running[index]
+                    .chain(&self.hasher, reservation.pages())
+                    .to_vec();
+                let after_restore = draft.restores.iter().position(|&(i, _)| i == index);
                 step.saves.push(SaveCopy {
                     backing: reservation.backing(),
                     tier: reservation.tier(),
                     bytes: reservation.bytes(),
                     copies,
+                    snapshot: reservation.snapshot(),
+                    chain,
+                    after_restore,
                 });
                 if kind == SaveKind::Kept {
                     self.running[index].usage.kept = Some(reservation.snapshot());
@@ -952,17 +974,37 @@ impl Scheduler {
             slot.pages = std::mem::take(&mut row.pages);
             self.spare_rows.push(row);
         }
+        let mut corrupt = Vec::new();
         for (&(index, snapshot), result) in draft.restores.iter().zip(reply.restores) {
             self.follow_ups.push(StoreFollowUp::FinishRestore(snapshot));
             self.running[index].restoring = None;
-            if let Err(e) = result {
-                ended.push((
+            match result {
+                Ok(()) => {}
+                Err(RestoreFault::Corrupt { tier, .. }) => {
+                    self.stats.corrupt_restores[tier_slot(tier)] += 1;
+                    if !corrupt.contains(&snapshot) {
+                        corrupt.push(snapshot);
+                    }
+                    draft.recompute.push(index);
+                }
+                Err(e @ RestoreFault::Failed(_)) => ended.push((
                     index,
                     End::Failed(ServeError::Engine(format!("restoring a snapshot: {e}"))),
-                ));
+                )),
             }
         }
-        for (&(index, _), result) in draft.fork_copies.iter().zip(reply.forks) {
+        // After every restore of the step is unpinned.
+        self.follow_ups
+            .extend(corrupt.into_iter().map(StoreFollowUp::DropCorrupt));
+        for &(index, leader, _) in &draft.fork_copies {
+            if draft.recompute.contains(&leader) {
+                draft.recompute.push(index);
+            }
+        }
+        for &index in &draft.recompute {
+            self.recompute(index);
+        }
+        for (&(index, _, _), result) in draft.fork_copies.iter().zip(reply.forks) {
             if let Err(e) = result {
                 let reason =
                     format!("copying the prompt's KV from the request's first choice: {e}");
@@ -1043,9 +1085,11 @@ impl Scheduler {
         );
         for (p, &r) in draft.sent_rows.iter().enumerate() {
             let row = draft.rows[r];
-            if ended.iter().any(|(index, _)| *index == row.job) {
-                // Its KV did not arrive (a failed restore or fork): what it sampled is not
-                // delivered.
+            if ended.iter().any(|(index, _)| *index == row.job)
+                || draft.recompute.contains(&row.job)
+            {
+                // Its KV did not arrive (a failed or corrupt restore or fork): what it sampled
+                // is not delivered.
                 continue;
             }
             let tokens = sampled.row(p);
@@ -1079,6 +1123,21 @@ impl Scheduler {
 
     /// The shared rule ([`engine::stop::finish_after`]); `max_new` was clipped to the room
     /// left under the sequence limit at submission.
+    /// A job whose restored or forked KV was refused: it computes its prompt from the start
+    /// in the pages it holds, and reports no cached tokens.
+    fn recompute(&mut self, index: usize) {
+        let job = &mut self.running[index];
+        self.stats.restored_tokens = self
+            .stats
+            .restored_tokens
+            .saturating_sub(job.usage.cached_tokens as u64);
+        job.usage.cached_tokens = 0;
+        job.computed = 0;
+        // What it found stored was the corrupt snapshot: its prompt is saved anew.
+        job.prompt_saved = false;
+        job.prompt_stored = false;
+    }
+
     fn stop_reason(&self, index: usize, token: u32) -> Option<FinishReason> {
         let job = &self.running[index];
         let params = job.sampler.as_ref().expect("home after the step").params();
@@ -1190,6 +1249,14 @@ impl Scheduler {
         self.release_forks(job.id);
         self.stats.failed += 1;
         job.fail(error);
+    }
+}
+
+/// The index of a tier in [`SchedulerStats::corrupt_restores`].
+pub(crate) fn tier_slot(tier: Tier) -> usize {
+    match tier {
+        Tier::Device => 0,
+        Tier::Host => 1,
     }
 }
 

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use actors::{Completion, Event, FinishReason, GenerateRequest, Handles, ServeConfig};
 use cache::{BackingId, PageClone, PageCopy, Tier};
-use engine::backend::{Backend, BackendInfo, MemoryReport, StepOutput, StepPlan};
+use engine::backend::{Backend, BackendInfo, HostRun, MemoryReport, StepOutput, StepPlan};
 use engine::cpu::{CpuBackend, CpuOptions};
 use engine::generate::{Vocabulary, generate};
 use engine::model::ModelFiles;
@@ -247,6 +247,24 @@ impl Backend for FailingBackend {
         self.inner.backing_ids()
     }
 
+    fn restore_verdicts(&mut self) -> Result<Vec<bool>, EngineError> {
+        self.inner.restore_verdicts()
+    }
+    fn backing_sums(&mut self, backing: BackingId) -> Result<Vec<u64>, EngineError> {
+        self.inner.backing_sums(backing)
+    }
+    fn set_backing_sums(&mut self, backing: BackingId, sums: &[u64]) -> Result<(), EngineError> {
+        self.inner.set_backing_sums(backing, sums)
+    }
+    fn host_runs(&mut self, backing: BackingId) -> Result<Vec<HostRun>, EngineError> {
+        self.inner.host_runs(backing)
+    }
+    fn read_backing(&mut self, backing: BackingId) -> Result<Vec<u8>, EngineError> {
+        self.inner.read_backing(backing)
+    }
+    fn flip_byte(&mut self, backing: BackingId, offset: u64, mask: u8) -> Result<(), EngineError> {
+        self.inner.flip_byte(backing, offset, mask)
+    }
     fn memory(&self) -> MemoryReport {
         self.inner.memory()
     }

@@ -24,6 +24,9 @@
 //!   one that shares at least its first page with the query (a conversation's earlier turn
 //!   whose reply was tokenized otherwise the next time, however short).
 //!
+//! - A snapshot a restore found corrupt (its frame or a block's checksum did not match, see
+//!   [`crate::checksum`]) is dropped as soon as no restore pins it, kept or not, and is never
+//!   found again; the request that found it recomputes.
 //! - A demoting snapshot stays findable and restorable from its device copy until its host
 //!   copy lands: the engine keeps the device backing until it reports the copy, so a demotion
 //!   never makes a prefix miss.
@@ -187,6 +190,8 @@ pub struct RestorePlan {
     pub backing: BackingId,
     pub tier: Tier,
     pub tokens: usize,
+    /// The chained hash of the last page restored: the backing's frame must name it.
+    pub prefix: PrefixHash,
     pub bytes: u64,
     pub copies: Vec<PageCopy>,
     geometry: SnapshotGeometry,
@@ -223,6 +228,8 @@ pub struct StoreStats {
     pub saves_aborted: u64,
     /// Prompt saves not made because no prefix had been seen `save_after_sightings` times.
     pub saves_skipped: u64,
+    /// Snapshots dropped because a restore found their bytes or frame corrupt.
+    pub corrupt: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -255,12 +262,14 @@ struct Snapshot {
     kept: bool,
     hits: u64,
     used_at: std::time::SystemTime,
+    /// Found corrupt while its demotion ran: never restored, and dropped when the copy ends.
+    corrupt: bool,
 }
 
 impl Snapshot {
-    /// Published, whether or not on its way to the host tier.
+    /// Published, whether or not on its way to the host tier, and not found corrupt.
     fn restorable(&self) -> bool {
-        matches!(self.state, State::Ready | State::Demoting { .. })
+        matches!(self.state, State::Ready | State::Demoting { .. }) && !self.corrupt
     }
 
     /// The backing a restore reads, and its tier.
@@ -313,6 +322,7 @@ struct Counters {
     saves_committed: u64,
     saves_aborted: u64,
     saves_skipped: u64,
+    corrupt: u64,
 }
 
 impl SnapshotStore {
@@ -501,6 +511,7 @@ impl SnapshotStore {
             kept: false,
             hits: 0,
             used_at: std::time::SystemTime::now(),
+            corrupt: false,
         };
         self.snapshots.insert(snapshot, record);
         SaveReservation {
@@ -607,14 +618,70 @@ impl SnapshotStore {
     }
 
     /// A demotion's copy landed: the snapshot is findable again, on the host tier, keeping the
-    /// recency of its last real use.
-    pub fn commit_demotion(&mut self, id: SnapshotId) -> Result<(), CacheError> {
+    /// recency of its last real use. One found corrupt meanwhile is dropped instead, and its
+    /// new buffer handed back to be freed.
+    pub fn commit_demotion(&mut self, id: SnapshotId) -> Result<Vec<Eviction>, CacheError> {
         let snapshot = self.snapshot_in(id, SnapshotState::Demoting)?;
+        if snapshot.corrupt {
+            let (backing, bytes) = (snapshot.backing, snapshot.bytes);
+            self.forget(id);
+            self.tier_mut(Tier::Host).refund(bytes);
+            return Ok(vec![Eviction {
+                snapshot: id,
+                from: Tier::Host,
+                backing,
+                bytes,
+                demoted_to: None,
+            }]);
+        }
         snapshot.state = State::Ready;
         let last_use = snapshot.last_use;
         // Found while demoting, it was used since: its last use counts.
         self.tier_mut(Tier::Host).order.insert(id, last_use);
-        Ok(())
+        Ok(Vec::new())
+    }
+
+    /// A restore of `id` read bytes whose checksum or frame did not match: the snapshot is
+    /// dropped and refunded, kept or not, once no restore pins it; the buffers to free are
+    /// handed back. One still demoting is only marked, never found again, and dropped when its
+    /// copy ends ([`SnapshotStore::commit_demotion`]).
+    pub fn drop_corrupt(&mut self, id: SnapshotId) -> Result<Vec<Eviction>, CacheError> {
+        let snapshot = self
+            .snapshots
+            .get_mut(&id)
+            .ok_or(CacheError::UnknownSnapshot { snapshot: id })?;
+        if snapshot.pins > 0 {
+            return Err(CacheError::Pinned { snapshot: id });
+        }
+        match snapshot.state {
+            State::Ready => {
+                let (tier, backing, bytes) = (snapshot.tier, snapshot.backing, snapshot.bytes);
+                self.forget(id);
+                let tier_state = self.tier_mut(tier);
+                tier_state.order.remove(&id);
+                tier_state.refund(bytes);
+                self.counters.corrupt += 1;
+                Ok(vec![Eviction {
+                    snapshot: id,
+                    from: tier,
+                    backing,
+                    bytes,
+                    demoted_to: None,
+                }])
+            }
+            State::Demoting { .. } => {
+                if !snapshot.corrupt {
+                    snapshot.corrupt = true;
+                    self.counters.corrupt += 1;
+                }
+                Ok(Vec::new())
+            }
+            State::Saving { .. } => Err(CacheError::WrongState {
+                snapshot: id,
+                expected: SnapshotState::Ready,
+                found: SnapshotState::Saving,
+            }),
+        }
     }
 
     /// A demotion's copy failed: the snapshot is gone and its host charge refunded.
@@ -716,6 +783,7 @@ impl SnapshotStore {
         } else {
             snapshot.bytes
         };
+        let prefix = snapshot.chain[pages - 1];
         self.touch(id);
         let tokens = pages * self.geometry.kv.page_tokens;
         Ok(RestorePlan {
@@ -723,6 +791,7 @@ impl SnapshotStore {
             backing,
             tier,
             tokens,
+            prefix,
             bytes,
             copies,
             geometry: self.geometry,
@@ -834,6 +903,7 @@ impl SnapshotStore {
             saves_committed: c.saves_committed,
             saves_aborted: c.saves_aborted,
             saves_skipped: c.saves_skipped,
+            corrupt: c.corrupt,
         }
     }
 }

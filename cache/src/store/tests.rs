@@ -381,6 +381,60 @@ fn a_failed_demotion_leaves_no_trace() {
 }
 
 #[test]
+fn a_corrupt_snapshot_is_dropped_once_unpinned_kept_or_not() {
+    let mut store = roomy_store();
+    let (a, _) = save(&mut store, &[1, 2]);
+    store.keep(a).unwrap();
+    let plan = store.begin_restore(a, 2, &[PageId(0), PageId(1)]).unwrap();
+    assert_eq!(
+        plan.prefix,
+        chain(&[1, 2])[1],
+        "the restore names its last page's hash"
+    );
+    assert!(matches!(
+        store.drop_corrupt(a),
+        Err(CacheError::Pinned { .. })
+    ));
+    store.finish_restore(a).unwrap();
+    let freed = store.drop_corrupt(a).unwrap();
+    assert_eq!(
+        freed,
+        vec![Eviction {
+            snapshot: a,
+            from: Tier::Device,
+            backing: plan.backing,
+            bytes: 20,
+            demoted_to: None
+        }]
+    );
+    assert_eq!(state(&store, a), None);
+    assert_eq!(hit(&mut store, &[1, 2]), None);
+    let stats = store.stats();
+    assert_eq!((stats.device.charged_bytes, stats.corrupt), (0, 1));
+}
+
+#[test]
+fn a_demoting_snapshot_found_corrupt_is_never_found_again_and_dropped_when_its_copy_lands() {
+    let mut store = store_with(20, true);
+    let [a, ..] = [1, 2, 3, 4, 5].map(|page| save(&mut store, &[page]).0);
+    let (_, evictions) = reserve(&mut store, &[6], Tier::Device);
+    let to = evictions[0].demoted_to.unwrap();
+    assert_eq!(store.drop_corrupt(a).unwrap(), vec![]);
+    assert_eq!(hit(&mut store, &[1]), None, "never restored again");
+    let freed = store.commit_demotion(a).unwrap();
+    assert_eq!(
+        freed
+            .iter()
+            .map(|e| (e.snapshot, e.backing))
+            .collect::<Vec<_>>(),
+        vec![(a, to)],
+        "its host copy is freed"
+    );
+    assert_eq!(state(&store, a), None);
+    assert_eq!(store.stats().host.charged_bytes, 0);
+}
+
+#[test]
 fn without_demotion_the_host_tier_takes_direct_saves() {
     let mut store = store_with(30, false);
     let (reservation, _) = reserve(&mut store, &[1, 2], Tier::Host);

@@ -14,9 +14,11 @@ mod weights;
 
 use std::collections::HashMap;
 
-use cache::{BackingId, KvGeometry, PageClone, PageCopy, Tier};
+use cache::{BackingId, KvGeometry, PageClone, PageCopy, Tier, checksum};
 
-use crate::backend::{Backend, BackendInfo, LogitsWanted, MemoryReport, StepOutput, StepPlan};
+use crate::backend::{
+    Backend, BackendInfo, HostRun, LogitsWanted, MemoryReport, StepOutput, StepPlan,
+};
 use crate::error::{EngineError, Result};
 use crate::model::{ModelConfig, ModelFiles, Weights};
 use attention::{AttentionShape, KvPages, QueryPos};
@@ -103,13 +105,23 @@ pub struct CpuBackend {
     weights: CpuWeights,
     kv: KvPages,
     /// Snapshot buffers; both tiers are host memory here.
-    backings: HashMap<BackingId, (Tier, Vec<f32>)>,
+    backings: HashMap<BackingId, CpuBacking>,
+    /// Whether each restore since the last `restore_verdicts` read what was saved.
+    verdicts: Vec<bool>,
     /// Copies made (at once) and not yet reported by `finished_copies`, by their target.
     copied: Vec<BackingId>,
     info: BackendInfo,
     inv_freq: Vec<f32>,
     pool: rayon::ThreadPool,
     scratch: Scratch,
+}
+
+/// One snapshot buffer and the sums of its blocks.
+struct CpuBacking {
+    tier: Tier,
+    data: Vec<f32>,
+    /// One per block (a layer's K or V of one page), in snapshot order.
+    sums: Vec<u64>,
 }
 
 impl CpuBackend {
@@ -157,6 +169,7 @@ impl CpuBackend {
             weights: CpuWeights::load(weights, &config)?,
             kv: KvPages::new(geometry, options.num_pages),
             backings: HashMap::new(),
+            verdicts: Vec::new(),
             copied: Vec::new(),
             inv_freq: config.rope_inv_freq(),
             config,
@@ -170,11 +183,15 @@ impl CpuBackend {
         &self.config
     }
 
-    fn backing(&mut self, id: BackingId) -> Result<&mut Vec<f32>> {
+    fn backing(&mut self, id: BackingId) -> Result<&mut CpuBacking> {
         self.backings
             .get_mut(&id)
-            .map(|(_, data)| data)
             .ok_or_else(|| EngineError::Backing(id.to_string(), "no such buffer".into()))
+    }
+
+    /// Blocks of one snapshot page: each layer's K and V.
+    fn page_blocks(&self) -> usize {
+        2 * self.config.num_layers
     }
 
     /// Checks that every copy names a page of the pool and a page of a buffer of `len` elements.
@@ -226,7 +243,10 @@ impl Backend for CpuBackend {
             EngineError::OutOfMemory(format!("snapshot buffer of {bytes} bytes: {e}"))
         })?;
         data.resize(elems, 0.0);
-        self.backings.insert(backing, (tier, data));
+        let blocks = elems / self.kv.page_elems().max(1);
+        let sums = vec![0; blocks];
+        self.backings
+            .insert(backing, CpuBacking { tier, data, sums });
         Ok(())
     }
 
@@ -238,26 +258,56 @@ impl Backend for CpuBackend {
     }
 
     fn save_pages(&mut self, backing: BackingId, copies: &[PageCopy]) -> Result<()> {
-        let len = self.backing(backing)?.len();
+        let len = self.backing(backing)?.data.len();
         self.check_copies(backing, len, copies)?;
-        let page = self.kv.snapshot_page_elems();
-        let (_, data) = self.backings.get_mut(&backing).expect("checked above");
+        let (page, block, blocks) = (
+            self.kv.snapshot_page_elems(),
+            self.kv.page_elems(),
+            self.page_blocks(),
+        );
+        let target = self.backings.get_mut(&backing).expect("checked above");
         for copy in copies {
             let at = copy.snapshot_page as usize * page;
-            self.kv.read_page(copy.pool_page, &mut data[at..at + page]);
+            let data = &mut target.data[at..at + page];
+            self.kv.read_page(copy.pool_page, data);
+            let first = copy.snapshot_page as usize * blocks;
+            for (sum, block) in target.sums[first..first + blocks]
+                .iter_mut()
+                .zip(data.chunks_exact(block))
+            {
+                *sum = checksum::block_sum(bytemuck::cast_slice(block));
+            }
         }
         Ok(())
     }
 
     fn restore_pages(&mut self, backing: BackingId, copies: &[PageCopy]) -> Result<()> {
-        let len = self.backing(backing)?.len();
+        let len = self.backing(backing)?.data.len();
         self.check_copies(backing, len, copies)?;
-        let page = self.kv.snapshot_page_elems();
-        let (_, data) = &self.backings[&backing];
-        for copy in copies {
+        let (page, block, blocks) = (
+            self.kv.snapshot_page_elems(),
+            self.kv.page_elems(),
+            self.page_blocks(),
+        );
+        let source = &self.backings[&backing];
+        // Every block is checked before any is written: a refused restore leaves the pool's
+        // pages as they were.
+        let intact = copies.iter().all(|copy| {
             let at = copy.snapshot_page as usize * page;
-            self.kv.write_page(copy.pool_page, &data[at..at + page]);
+            let first = copy.snapshot_page as usize * blocks;
+            source.data[at..at + page]
+                .chunks_exact(block)
+                .zip(&source.sums[first..first + blocks])
+                .all(|(data, &sum)| checksum::block_sum(bytemuck::cast_slice(data)) == sum)
+        });
+        if intact {
+            for copy in copies {
+                let at = copy.snapshot_page as usize * page;
+                self.kv
+                    .write_page(copy.pool_page, &source.data[at..at + page]);
+            }
         }
+        self.verdicts.push(intact);
         Ok(())
     }
 
@@ -278,24 +328,26 @@ impl Backend for CpuBackend {
     }
 
     fn copy_backing(&mut self, from: BackingId, to: BackingId) -> Result<()> {
-        let source = std::mem::take(self.backing(from)?);
+        let source = std::mem::take(&mut self.backing(from)?.data);
         let result = match self.backing(to) {
-            Ok(target) if target.len() == source.len() => {
-                target.copy_from_slice(&source);
+            Ok(target) if target.data.len() == source.len() => {
+                target.data.copy_from_slice(&source);
                 Ok(())
             }
             Ok(target) => Err(EngineError::Backing(
                 to.to_string(),
                 format!(
                     "holds {} elements, the source {}",
-                    target.len(),
+                    target.data.len(),
                     source.len()
                 ),
             )),
             Err(e) => Err(e),
         };
-        *self.backing(from).expect("taken from it above") = source;
+        self.backing(from).expect("taken from it above").data = source;
         if result.is_ok() {
+            let sums = self.backings[&from].sums.clone();
+            self.backing(to).expect("copied into above").sums = sums;
             self.copied.push(to);
         }
         result
@@ -309,12 +361,60 @@ impl Backend for CpuBackend {
         self.backings.keys().copied().collect()
     }
 
+    fn restore_verdicts(&mut self) -> Result<Vec<bool>> {
+        Ok(std::mem::take(&mut self.verdicts))
+    }
+
+    fn backing_sums(&mut self, backing: BackingId) -> Result<Vec<u64>> {
+        Ok(self.backing(backing)?.sums.clone())
+    }
+
+    fn set_backing_sums(&mut self, backing: BackingId, sums: &[u64]) -> Result<()> {
+        let target = self.backing(backing)?;
+        if target.sums.len() != sums.len() {
+            return Err(EngineError::Backing(
+                backing.to_string(),
+                format!(
+                    "has {} blocks, {} sums given",
+                    target.sums.len(),
+                    sums.len()
+                ),
+            ));
+        }
+        target.sums.copy_from_slice(sums);
+        Ok(())
+    }
+
+    fn host_runs(&mut self, backing: BackingId) -> Result<Vec<HostRun>> {
+        let data = &mut self.backing(backing)?.data;
+        Ok(vec![HostRun {
+            ptr: data.as_mut_ptr().cast(),
+            len: data.len() * 4,
+        }])
+    }
+
+    fn read_backing(&mut self, backing: BackingId) -> Result<Vec<u8>> {
+        Ok(bytemuck::cast_slice(&self.backing(backing)?.data).to_vec())
+    }
+
+    fn flip_byte(&mut self, backing: BackingId, offset: u64, mask: u8) -> Result<()> {
+        let data: &mut [u8] = bytemuck::cast_slice_mut(&mut self.backing(backing)?.data);
+        let byte = usize::try_from(offset)
+            .ok()
+            .and_then(|at| data.get_mut(at))
+            .ok_or_else(|| {
+                EngineError::Backing(backing.to_string(), format!("no byte {offset}"))
+            })?;
+        *byte ^= mask;
+        Ok(())
+    }
+
     fn memory(&self) -> MemoryReport {
         let tier_bytes = |tier: Tier| {
             self.backings
                 .values()
-                .filter(|(t, _)| *t == tier)
-                .map(|(_, d)| d.len() as u64 * 4)
+                .filter(|b| b.tier == tier)
+                .map(|b| b.data.len() as u64 * 4)
                 .sum()
         };
         MemoryReport {

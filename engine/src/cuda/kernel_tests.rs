@@ -970,7 +970,10 @@ fn page_copies_round_trip_through_both_tiers() {
     let device_tier = g.poisoned(snapshot_bytes);
     let mut host_tier = PinnedBuffer::alloc(&g.device, snapshot_bytes, "test").unwrap();
     host_tier.as_mut_slice::<u8>().fill(0xFF);
-    for snapshot in [device_tier.ptr(), host_tier.ptr()] {
+    let blocks = copies.len() * 2 * geometry.layers;
+    let sums = [g.poisoned(blocks * 8), g.poisoned(blocks * 8)];
+    let bad = g.upload(&[0u32]);
+    for (snapshot, sums) in [device_tier.ptr(), host_tier.ptr()].into_iter().zip(&sums) {
         let args = PageCopies {
             pool: pool.base(),
             snapshot,
@@ -979,6 +982,8 @@ fn page_copies_round_trip_through_both_tiers() {
             pages_total: pool.pages_total(),
             page_bytes,
             layers: geometry.layers,
+            sums: sums.ptr(),
+            bad: DPtr::NULL,
         };
         g.kernels.copy_pages(&args, true).unwrap();
     }
@@ -992,6 +997,11 @@ fn page_copies_round_trip_through_both_tiers() {
     assert_eq!(g.download(device_tier.ptr::<u8>(), snapshot_bytes), want);
     g.device.synchronize().unwrap();
     assert_eq!(host_tier.as_mut_slice::<u8>(), &want[..]);
+    // The gathers summed every block as the CPU does.
+    let want_sums = cache::checksum::block_sums(&want, page_bytes);
+    for sums in &sums {
+        assert_eq!(g.download(sums.ptr::<u64>(), blocks), want_sums);
+    }
     // Scatter the host copy into other pages, then overwrite nothing else.
     let back: Vec<u32> = [(0u32, 1u32), (1, 4), (2, 0)]
         .iter()
@@ -1006,8 +1016,11 @@ fn page_copies_round_trip_through_both_tiers() {
         pages_total: pool.pages_total(),
         page_bytes,
         layers: geometry.layers,
+        sums: sums[1].ptr(),
+        bad: bad.ptr(),
     };
     g.kernels.copy_pages(&args, false).unwrap();
+    assert_eq!(g.download(bad.ptr::<u32>(), 1), [0], "intact blocks pass");
     let after = g.download(pool.base(), bytes);
     for (i, &(_, src)) in copies.iter().enumerate() {
         let dst = [1usize, 4, 0][i];
@@ -1019,6 +1032,16 @@ fn page_copies_round_trip_through_both_tiers() {
             assert_eq!(after[a..a + page_bytes], data[b..b + page_bytes]);
         }
     }
+    // One flipped bit in the host tier's last block is caught by the scatter that reads it.
+    g.device.synchronize().unwrap();
+    let last = snapshot_bytes - 3;
+    host_tier.as_mut_slice::<u8>()[last] ^= 0x10;
+    g.kernels.copy_pages(&args, false).unwrap();
+    assert_eq!(
+        g.download(bad.ptr::<u32>(), 1),
+        [1],
+        "a flipped bit is refused"
+    );
 }
 
 #[test]

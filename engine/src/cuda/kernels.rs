@@ -492,13 +492,17 @@ impl Kernels {
         } else {
             (&self.scatter_pages, a.snapshot, a.pool)
         };
-        let args = Args::new()
+        let mut args = Args::new()
             .ptr(from)
             .ptr(to)
             .ptr(a.copies)
             .u32(a.pages_total as u32)
             .u32((a.page_bytes / 16) as u32)
-            .u32(a.layers as u32);
+            .u32(a.layers as u32)
+            .ptr(a.sums);
+        if !gather {
+            args = args.ptr(a.bad);
+        }
         let grid = (a.count as u32, 2 * a.layers as u32, 1);
         self.device.launch(func, grid, THREADS, &args)
     }
@@ -728,6 +732,11 @@ pub struct PageCopies {
     /// Bytes of one page of one layer's K (or V).
     pub page_bytes: usize,
     pub layers: usize,
+    /// The block sums of the snapshot's arena chunk (written by a gather, checked by a
+    /// scatter); unused by clones.
+    pub sums: DPtr<u64>,
+    /// Set by a scatter that read a block whose sum does not match.
+    pub bad: DPtr<u32>,
 }
 
 #[cfg(test)]

@@ -43,7 +43,7 @@ use cache::{BackingId, KvGeometry, PageClone, PageCopy, Tier};
 pub use policy::PoolSize;
 use policy::{AdmissionPolicy, CachePolicy, EngineConfig, SnapshotPolicy};
 
-use crate::backend::{Backend, BackendInfo, MemoryReport, StepOutput, StepPlan};
+use crate::backend::{Backend, BackendInfo, HostRun, MemoryReport, StepOutput, StepPlan};
 use crate::error::{EngineError, Result};
 use crate::model::{ModelConfig, ModelFiles, Weights};
 use crate::sampling::Sampler;
@@ -258,6 +258,7 @@ impl CudaBackend {
                     host_bytes: options.host_snapshot_bytes,
                 },
                 geometry.page_bytes(),
+                2 * config.num_layers,
             )?,
             pool,
             weights,
@@ -289,12 +290,6 @@ impl CudaBackend {
     /// background after start-up (tests that need it at once).
     pub fn wait_for_snapshot_arenas(&mut self) {
         self.backings.wait_until_allocated();
-    }
-
-    /// A snapshot buffer's bytes, after the work queued before this call (checksums, tests).
-    pub fn read_backing(&mut self, backing: BackingId) -> Result<Vec<u8>> {
-        self.device.bind()?;
-        self.backings.read(backing)
     }
 
     fn attn_shape(&self) -> AttnShape {
@@ -615,6 +610,35 @@ impl Backend for CudaBackend {
 
     fn backing_ids(&self) -> Vec<BackingId> {
         self.backings.ids()
+    }
+
+    fn restore_verdicts(&mut self) -> Result<Vec<bool>> {
+        self.device.bind()?;
+        self.backings.restore_verdicts()
+    }
+
+    fn backing_sums(&mut self, backing: BackingId) -> Result<Vec<u64>> {
+        self.device.bind()?;
+        self.backings.sums(backing)
+    }
+
+    fn set_backing_sums(&mut self, backing: BackingId, sums: &[u64]) -> Result<()> {
+        self.device.bind()?;
+        self.backings.set_sums(backing, sums)
+    }
+
+    fn host_runs(&mut self, backing: BackingId) -> Result<Vec<HostRun>> {
+        self.backings.host_runs(backing)
+    }
+
+    fn read_backing(&mut self, backing: BackingId) -> Result<Vec<u8>> {
+        self.device.bind()?;
+        self.backings.read(backing)
+    }
+
+    fn flip_byte(&mut self, backing: BackingId, offset: u64, mask: u8) -> Result<()> {
+        self.device.bind()?;
+        self.backings.flip_byte(backing, offset, mask)
     }
 
     fn memory(&self) -> MemoryReport {

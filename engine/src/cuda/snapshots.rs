@@ -36,6 +36,7 @@ use cudarc::driver::{CudaStream, DriverError, result};
 use super::device::{DPtr, Device, DeviceBuffer, PinnedBuffer};
 use super::kernels::{Kernels, PageCopies};
 use super::pool::KvPool;
+use crate::backend::HostRun;
 use crate::error::{EngineError, Result};
 
 /// Bytes of a chunk an empty arena grows by.
@@ -66,7 +67,9 @@ impl Memory {
 }
 
 /// Bytes pinned at a time by the thread that pins a host arena: short enough that the driver
-/// work of one step never holds up other threads' calls for long.
+/// work of one step never holds up other threads' calls for long. Rounded down to whole
+/// snapshot pages: each step is a registration of its own, and a copy may not span two (the
+/// driver refuses it as an invalid value), so no page may straddle a step's end.
 const PIN_STEP_BYTES: usize = 256 << 20;
 
 /// Host memory reserved whole and pinned (page-locked, mapped for the device) a step at a time
@@ -75,6 +78,8 @@ const PIN_STEP_BYTES: usize = 256 << 20;
 /// one range a kernel can address from its base.
 struct HostArena {
     host: *mut u8,
+    /// Bytes of each registration: whole pages.
+    step_bytes: usize,
     layout: std::alloc::Layout,
     pinned: Arc<std::sync::atomic::AtomicUsize>,
     stop: Arc<std::sync::atomic::AtomicBool>,
@@ -86,7 +91,8 @@ struct HostArena {
 unsafe impl Send for HostArena {}
 
 impl HostArena {
-    fn new(device: &Arc<Device>, bytes: usize) -> Result<HostArena> {
+    fn new(device: &Arc<Device>, bytes: usize, page_bytes: usize) -> Result<HostArena> {
+        let step_bytes = (PIN_STEP_BYTES / page_bytes).max(1) * page_bytes;
         use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
         let oom = || EngineError::OutOfMemory(format!("the host snapshot arena of {bytes} bytes"));
         let layout = std::alloc::Layout::from_size_align(bytes, 2 << 20).map_err(|_| oom())?;
@@ -98,13 +104,14 @@ impl HostArena {
         }
         let mut arena = HostArena {
             host,
+            step_bytes,
             layout,
             pinned: Arc::new(AtomicUsize::new(0)),
             stop: Arc::new(AtomicBool::new(false)),
             thread: None,
         };
         // The first step now, to learn the device address; the rest beside everything else.
-        let first = bytes.min(PIN_STEP_BYTES);
+        let first = bytes.min(step_bytes);
         register(host, first).map_err(|e| {
             EngineError::OutOfMemory(format!(
                 "pinning host memory for the host snapshot tier (snapshots.host_budget_bytes): {e}"
@@ -130,7 +137,7 @@ impl HostArena {
             }
             let mut done = first;
             while done < bytes && !stop.load(Ordering::Acquire) {
-                let step = (bytes - done).min(PIN_STEP_BYTES);
+                let step = (bytes - done).min(step_bytes);
                 if let Err(e) = register((base + done) as *mut u8, step) {
                     tracing::error!("pinning the host snapshot tier stopped at {done} bytes: {e}");
                     return;
@@ -193,7 +200,7 @@ impl Drop for HostArena {
             // SAFETY: each step was registered at this offset; nothing uses it any more (the
             // backend waited for its streams before dropping its backings).
             let _ = unsafe { sys::cuMemHostUnregister(self.host.add(at).cast()) };
-            at += PIN_STEP_BYTES;
+            at += self.step_bytes;
         }
         // SAFETY: allocated in `new` with this layout.
         unsafe { std::alloc::dealloc(self.host, self.layout) };
@@ -212,12 +219,17 @@ struct Chunk {
     memory: Memory,
     /// Pages nobody holds, taken from the end.
     free: Vec<u32>,
+    /// Device memory: the block sums of every page (`page_blocks` each), written by the saves
+    /// and demotions that fill a page and checked by the restores that read it.
+    sums: DeviceBuffer,
 }
 
 /// The pages of one tier.
 struct Arena {
     tier: Tier,
     page_bytes: usize,
+    /// Checksummed blocks of one page: each layer's K and V.
+    page_blocks: usize,
     chunks: Vec<Chunk>,
     /// Sized by configuration: it never grows, and running out is the caller's to handle.
     fixed: bool,
@@ -228,10 +240,17 @@ struct Arena {
 impl Arena {
     /// An arena of `bytes`: device memory allocated now, or host memory pinned a step at a
     /// time beside everything else.
-    fn new(device: &Arc<Device>, tier: Tier, bytes: u64, page_bytes: usize) -> Result<Arena> {
+    fn new(
+        device: &Arc<Device>,
+        tier: Tier,
+        bytes: u64,
+        page_bytes: usize,
+        page_blocks: usize,
+    ) -> Result<Arena> {
         let mut arena = Arena {
             tier,
             page_bytes,
+            page_blocks,
             chunks: Vec::new(),
             fixed: false,
             adopted: 0,
@@ -244,10 +263,13 @@ impl Arena {
         match tier {
             Tier::Device => arena.grow(device, pages)?,
             Tier::Host => {
-                let memory = Memory::Registered(HostArena::new(device, pages * page_bytes)?);
+                let memory =
+                    Memory::Registered(HostArena::new(device, pages * page_bytes, page_bytes)?);
+                let sums = arena.sums_for(device, pages)?;
                 arena.chunks.push(Chunk {
                     memory,
                     free: Vec::new(),
+                    sums,
                 });
                 arena.adopt_pinned();
             }
@@ -260,6 +282,7 @@ impl Arena {
         let Some(Chunk {
             memory: Memory::Registered(host),
             free,
+            ..
         }) = self.chunks.first_mut()
         else {
             return;
@@ -280,11 +303,27 @@ impl Arena {
         let pages = u32::try_from(pages)
             .map_err(|_| EngineError::OutOfMemory(format!("{pages} snapshot pages")))?;
         let memory = Memory::alloc(device, self.tier, pages as usize * self.page_bytes)?;
+        let sums = self.sums_for(device, pages as usize)?;
         self.chunks.push(Chunk {
             memory,
             free: (0..pages).rev().collect(),
+            sums,
         });
         Ok(())
+    }
+
+    /// The block sums of a chunk of `pages` pages.
+    fn sums_for(&self, device: &Device, pages: usize) -> Result<DeviceBuffer> {
+        let what = format!("the {} snapshot arena's checksums", tier_name(self.tier));
+        DeviceBuffer::alloc(device, (pages * self.page_blocks * 8).max(8), &what)
+    }
+
+    /// Where the block sums of page `page` of chunk `chunk` are.
+    fn sums_ptr(&self, chunk: usize, page: u32) -> DPtr<u64> {
+        self.chunks[chunk]
+            .sums
+            .ptr::<u64>()
+            .offset(page as usize * self.page_blocks)
     }
 
     /// `pages` pages of one chunk, or `None` when no chunk has that many free.
@@ -345,8 +384,15 @@ pub struct Backings {
     /// Recorded on the compute stream when a demotion starts; the copy stream waits for it.
     compute_mark: CUevent,
     copies: Vec<Copy>,
+    /// One flag per restore queued since the last `restore_verdicts`, set by a restore that
+    /// read a block whose sum did not match.
+    restore_flags: DeviceBuffer,
+    restores: usize,
     device: Arc<Device>,
 }
+
+/// Restores one step may queue before their verdicts are collected.
+const MAX_RESTORES_PER_STEP: usize = 4096;
 
 // SAFETY: the events are owned here and used from whichever one thread owns the backend.
 unsafe impl Send for Backings {}
@@ -369,12 +415,31 @@ pub struct ArenaSizes {
 }
 
 impl Backings {
-    pub fn new(device: &Arc<Device>, sizes: ArenaSizes, page_bytes: usize) -> Result<Self> {
+    pub fn new(
+        device: &Arc<Device>,
+        sizes: ArenaSizes,
+        page_bytes: usize,
+        page_blocks: usize,
+    ) -> Result<Self> {
         device.bind()?;
         let arenas = [
-            Arena::new(device, Tier::Device, sizes.device_bytes, page_bytes)?,
-            Arena::new(device, Tier::Host, sizes.host_bytes, page_bytes)?,
+            Arena::new(
+                device,
+                Tier::Device,
+                sizes.device_bytes,
+                page_bytes,
+                page_blocks,
+            )?,
+            Arena::new(
+                device,
+                Tier::Host,
+                sizes.host_bytes,
+                page_bytes,
+                page_blocks,
+            )?,
         ];
+        let restore_flags =
+            DeviceBuffer::alloc(device, MAX_RESTORES_PER_STEP * 4, "restore verdicts")?;
         let copy_stream = device.context().new_stream()?;
         let compute_mark = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
         Ok(Backings {
@@ -384,6 +449,8 @@ impl Backings {
             copy_stream,
             compute_mark,
             copies: Vec::new(),
+            restore_flags,
+            restores: 0,
             device: device.clone(),
         })
     }
@@ -462,10 +529,23 @@ impl Backings {
         }
         let arena = &self.arenas[backing.tier as usize];
         let base = arena.page_ptr(backing.chunk, 0);
+        let sums = arena.sums_ptr(backing.chunk, 0);
         let list: Vec<u32> = copies
             .iter()
             .flat_map(|c| [backing.pages[c.snapshot_page as usize], c.pool_page.0])
             .collect();
+        let bad = if save {
+            DPtr::NULL
+        } else {
+            if self.restores == MAX_RESTORES_PER_STEP {
+                return Err(EngineError::InvalidStep(format!(
+                    "more than {MAX_RESTORES_PER_STEP} restores before their verdicts were read"
+                )));
+            }
+            let flag = self.restore_flags.ptr::<u32>().offset(self.restores);
+            self.device.upload(&[0u32], flag)?;
+            flag
+        };
         let list_ptr = self.upload_list(&list)?;
         let args = PageCopies {
             pool: pool.pool.base(),
@@ -475,8 +555,115 @@ impl Backings {
             pages_total: pool.pool.pages_total(),
             page_bytes: pool.pool.page_elems() * 2,
             layers: pool.layers,
+            sums,
+            bad,
         };
-        kernels.copy_pages(&args, save)
+        kernels.copy_pages(&args, save)?;
+        if !save {
+            self.restores += 1;
+        }
+        Ok(())
+    }
+
+    /// Whether each restore queued since the last call read intact blocks, in order; waits for
+    /// them (and everything queued before) to run.
+    pub fn restore_verdicts(&mut self) -> Result<Vec<bool>> {
+        let count = std::mem::take(&mut self.restores);
+        if count == 0 {
+            return Ok(Vec::new());
+        }
+        let mut flags = vec![0u32; count];
+        self.device
+            .download(self.restore_flags.ptr::<u32>(), &mut flags)?;
+        Ok(flags.into_iter().map(|bad| bad == 0).collect())
+    }
+
+    /// The block sums of a backing, in snapshot order.
+    pub fn sums(&mut self, id: BackingId) -> Result<Vec<u64>> {
+        self.device.synchronize()?;
+        self.copy_stream.synchronize()?;
+        let backing = self.map.get(&id).ok_or_else(|| no_such(id))?;
+        let arena = &self.arenas[backing.tier as usize];
+        let blocks = arena.page_blocks;
+        let chunk_sums = &arena.chunks[backing.chunk].sums;
+        let mut all = vec![0u64; chunk_sums.bytes() / 8];
+        self.device.download(chunk_sums.ptr::<u64>(), &mut all)?;
+        Ok(backing
+            .pages
+            .iter()
+            .flat_map(|&page| all[page as usize * blocks..][..blocks].iter().copied())
+            .collect())
+    }
+
+    /// Sets the block sums of a backing filled from outside (a file).
+    pub fn set_sums(&mut self, id: BackingId, sums: &[u64]) -> Result<()> {
+        let backing = self.map.get(&id).ok_or_else(|| no_such(id))?;
+        let arena = &self.arenas[backing.tier as usize];
+        let blocks = arena.page_blocks;
+        if sums.len() != backing.pages.len() * blocks {
+            return Err(EngineError::Backing(
+                id.to_string(),
+                format!(
+                    "has {} blocks, {} sums given",
+                    backing.pages.len() * blocks,
+                    sums.len()
+                ),
+            ));
+        }
+        for (&page, page_sums) in backing.pages.iter().zip(sums.chunks_exact(blocks)) {
+            self.device
+                .upload(page_sums, arena.sums_ptr(backing.chunk, page))?;
+        }
+        // The uploads read pageable memory, staged before they return; a sync makes the sums
+        // visible to every stream (the copy stream's demotions included).
+        self.device.synchronize()
+    }
+
+    /// The host memory of a host-tier backing, in snapshot order, adjacent pages merged.
+    pub fn host_runs(&mut self, id: BackingId) -> Result<Vec<HostRun>> {
+        let backing = self.map.get(&id).ok_or_else(|| no_such(id))?;
+        if backing.tier != Tier::Host {
+            return Err(EngineError::Backing(
+                id.to_string(),
+                "is not in host memory".into(),
+            ));
+        }
+        let arena = &self.arenas[Tier::Host as usize];
+        let mut runs: Vec<HostRun> = Vec::new();
+        for &page in &backing.pages {
+            // With unified addressing a mapped host page has the same address on both sides.
+            let ptr = arena.page_ptr(backing.chunk, page).addr() as *mut u8;
+            match runs.last_mut() {
+                Some(run) if run.ptr.wrapping_add(run.len) == ptr => run.len += arena.page_bytes,
+                _ => runs.push(HostRun {
+                    ptr,
+                    len: arena.page_bytes,
+                }),
+            }
+        }
+        Ok(runs)
+    }
+
+    /// XORs one byte of a backing with `mask` (fault injection), after the work queued before.
+    pub fn flip_byte(&mut self, id: BackingId, offset: u64, mask: u8) -> Result<()> {
+        self.device.synchronize()?;
+        self.copy_stream.synchronize()?;
+        let backing = self.map.get(&id).ok_or_else(|| no_such(id))?;
+        let arena = &self.arenas[backing.tier as usize];
+        let (page, within) = (
+            offset / arena.page_bytes as u64,
+            (offset % arena.page_bytes as u64) as usize,
+        );
+        let &arena_page = usize::try_from(page)
+            .ok()
+            .and_then(|p| backing.pages.get(p))
+            .ok_or_else(|| EngineError::Backing(id.to_string(), format!("no byte {offset}")))?;
+        let at = arena.page_ptr(backing.chunk, arena_page).offset(within);
+        let mut byte = [0u8];
+        self.device.download(at, &mut byte)?;
+        byte[0] ^= mask;
+        self.device.upload(&byte, at)?;
+        self.device.synchronize()
     }
 
     /// Copies pool pages onto other pool pages, every layer's K and V.
@@ -508,6 +695,8 @@ impl Backings {
             pages_total: pool.pool.pages_total(),
             page_bytes: pool.pool.page_elems() * 2,
             layers: pool.layers,
+            sums: DPtr::NULL,
+            bad: DPtr::NULL,
         };
         kernels.clone_pages(&args)
     }
@@ -564,7 +753,34 @@ impl Backings {
             // SAFETY: both ranges lie inside their arenas' chunks (`len` pages from a page
             // held by the backing, contiguous by construction of the run).
             unsafe { sys::cuMemcpyAsync(dst.addr(), src.addr(), len * page_bytes, copy_stream) }
-                .result()?;
+                .result()
+                .map_err(|e| {
+                    EngineError::Backing(
+                        to.to_string(),
+                        format!(
+                            "copying {len} pages from {:#x} to {:#x}: {e}",
+                            src.addr(),
+                            dst.addr()
+                        ),
+                    )
+                })?;
+            // The block sums travel with the bytes: the restores from the new tier check them.
+            let blocks = from_arena.page_blocks;
+            let src = from_arena.sums_ptr(source.chunk, source.pages[start]);
+            let dst = to_arena.sums_ptr(target.chunk, target.pages[start]);
+            // SAFETY: `len` pages' sums inside both chunks' sum buffers, as above.
+            unsafe { sys::cuMemcpyAsync(dst.addr(), src.addr(), len * blocks * 8, copy_stream) }
+                .result()
+                .map_err(|e| {
+                    EngineError::Backing(
+                        to.to_string(),
+                        format!(
+                            "copying {len} pages' sums from {:#x} to {:#x}: {e}",
+                            src.addr(),
+                            dst.addr()
+                        ),
+                    )
+                })?;
         }
         let done = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
         // SAFETY: a fresh event, recorded on this backend's copy stream.
