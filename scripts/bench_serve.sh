@@ -14,6 +14,12 @@
 #   (g) `n` choices sharing one prompt (issue 12): 2,048 / 128, 32 sequences in flight, as 256
 #       requests of n = 1 and as 64 requests of n = 4 (the same tokens generated, a quarter of
 #       the prompts computed).
+#   (h) snapshots across a restart (issue 13): a 32,000-token prompt cold, then the server is
+#       stopped with SIGTERM (it flushes its snapshots to the disk tier) and started again, and
+#       the same prompt is sent: restored from disk;
+#   (i) a kill -9 while the disk tier is being written (during the shutdown flush of three
+#       32,000-token snapshots), then a restart: the index is rebuilt from whole files only,
+#       and every prompt is answered.
 #
 # $SNAPSERVE names a prebuilt binary (else cargo builds one); $SERVE_ARGS the model (default:
 # the Llama-3.1-8B shape with random weights and $TOKENIZER's tokenizer, default the embedded
@@ -68,6 +74,21 @@ load() {
     shift
     echo "## $name"
     "$bin" loadtest --url "http://127.0.0.1:$port" "$@" | tee "$out/$name.txt"
+}
+
+# with_disk DIR: the configuration with a disk tier of 32 GiB in DIR.
+with_disk() {
+    sed "/^\[snapshots\]/a disk_dir = \"$1\"\ndisk_budget_bytes = 34359738368" "$config" \
+        > "$out/disk.toml"
+    echo "$out/disk.toml"
+}
+
+# wait_pinned NAME: waits until the server's host snapshot arena is pinned (after a start).
+wait_pinned() {
+    for _ in $(seq 300); do
+        grep -q "pinned .* host snapshot tier" "$out/$1.serve.log" && return
+        sleep 0.2
+    done
 }
 
 # with KEY VALUE: the configuration with one key set.
@@ -133,6 +154,54 @@ for scenario in $scenarios; do
         load "g-n4" "${long[@]}" --requests 64 --concurrency 8 --seed 6 --extra-body '{"n": 4}'
         curl -s "localhost:$port/metrics" | grep "^snapserve_prefix_forked_tokens_total"
         stop g
+        ;;
+    h)
+        disk=${DISK_DIR:-/tmp/snapserve-disk}
+        rm -rf "$disk"
+        serve h-first "$(with_disk "$disk")"
+        load "h-32k-cold" --prefix-tokens 32000 --prefixes 1 --max-tokens 1 --requests 2 \
+            --concurrency 1
+        stop h-first
+        grep -E "flushed|wrote" "$out/h-first.serve.log" || true
+        ls -la "$disk"
+        serve h-restarted "$(with_disk "$disk")"
+        wait_pinned h-restarted
+        load "h-32k-after-restart" --prefix-tokens 32000 --prefixes 1 --max-tokens 1 \
+            --requests 1 --concurrency 1
+        load "h-32k-again" --prefix-tokens 32000 --prefixes 1 --max-tokens 1 --requests 2 \
+            --concurrency 1
+        curl -s "localhost:$port/metrics" | grep -E "^snapserve_(snapshot_corrupt|prefix_reused)"
+        stop h-restarted
+        ;;
+    i)
+        disk=${DISK_DIR:-/tmp/snapserve-disk}
+        rm -rf "$disk"
+        serve i-first "$(with_disk "$disk")"
+        for seed in 11 12 13; do
+            load "i-32k-$seed" --prefix-tokens 32000 --prefixes 1 --max-tokens 1 --requests 2 \
+                --concurrency 1 --seed "$seed" > /dev/null
+        done
+        kill "$server"
+        # Into the shutdown flush (two files at a time): once one file is whole and another
+        # is being written, killed outright.
+        for _ in $(seq 600); do
+            ls "$disk"/*.snap > /dev/null 2>&1 && ls "$disk"/*.tmp > /dev/null 2>&1 && break
+            sleep 0.05
+        done
+        ls -la "$disk"
+        kill -9 "$server"
+        wait "$server" || true
+        echo "killed during the flush; on disk:"
+        ls -la "$disk"
+        serve i-restarted "$(with_disk "$disk")"
+        wait_pinned i-restarted
+        grep -E "disk tier" "$out/i-restarted.serve.log"
+        for seed in 11 12 13; do
+            load "i-after-$seed" --prefix-tokens 32000 --prefixes 1 --max-tokens 1 \
+                --requests 1 --concurrency 1 --seed "$seed"
+        done
+        curl -s "localhost:$port/metrics" | grep -E "^snapserve_(snapshot_corrupt|prefix_reused|requests_total)"
+        stop i-restarted
         ;;
     esac
 done

@@ -434,6 +434,7 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
     let keys = http::ApiKeys::new(server.api_keys(), server.keys_guard_health_and_metrics())
         .with_admin(server.admin_api_key());
     let pin_file = policies.snapshots.pin_prompts_file().map(Path::to_path_buf);
+    let flush_to_disk = policies.snapshots.flush_to_disk_on_shutdown();
     // Without a measured step (a pool too small to warm up in), a slow CPU's speed.
     let decode_step = warm.decode_step.unwrap_or(Duration::from_millis(50));
     let options = http::ServeOptions {
@@ -454,7 +455,13 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
     });
     let config = ServeConfig {
         policies,
-        model_id: dir.display().to_string(),
+        model_id: model_identity(
+            &dir,
+            args.model_config
+                .as_deref()
+                .filter(|_| args.random_weights)
+                .map(|shape| (shape, args.seed)),
+        ),
         eos_token_ids: files.eos_token_ids.clone(),
         seed: 0,
     };
@@ -493,6 +500,10 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
         let served = http::serve(state, &options)
             .await
             .with_context(|| format!("serving on {}", options.address));
+        if flush_to_disk {
+            let written = handles.flush_to_disk().await;
+            eprintln!("wrote {written} snapshots to the disk tier");
+        }
         handles.shutdown().await;
         eprintln!("stopped");
         let served = served?;
@@ -532,6 +543,50 @@ async fn keep_prefixes(handles: &actors::Handles, model: &Model, path: &Path) ->
         );
     }
     Ok(())
+}
+
+/// What names the model in prefix hashes and snapshot files: its folder, its config and its
+/// weight files' names and sizes (or, for random weights, the shape and seed), so a snapshot
+/// on disk is found again only by the same weights.
+fn model_identity(dir: &Path, random: Option<(&Path, u64)>) -> String {
+    use sha2::Digest;
+    let mut hasher = sha2::Sha256::new();
+    let mut absorb = |tag: &str, bytes: &[u8]| {
+        hasher.update(tag.as_bytes());
+        hasher.update((bytes.len() as u64).to_le_bytes());
+        hasher.update(bytes);
+    };
+    absorb("dir", dir.display().to_string().as_bytes());
+    match random {
+        Some((shape, seed)) => {
+            absorb("shape", &std::fs::read(shape).unwrap_or_default());
+            absorb("seed", &seed.to_le_bytes());
+        }
+        None => {
+            absorb(
+                "config",
+                &std::fs::read(dir.join("config.json")).unwrap_or_default(),
+            );
+            let mut weights: Vec<(String, u64)> = std::fs::read_dir(dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|entry| {
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    let len = entry.metadata().ok()?.len();
+                    name.ends_with(".safetensors").then_some((name, len))
+                })
+                .collect();
+            weights.sort();
+            for (name, len) in weights {
+                absorb("weights", name.as_bytes());
+                absorb("len", &len.to_le_bytes());
+            }
+        }
+    }
+    let digest = hasher.finalize();
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{} {hex}", dir.display())
 }
 
 /// `serve --random-weights`: the shape of `shape` with `files`' vocabulary, weights drawn on

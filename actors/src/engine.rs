@@ -17,9 +17,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use actix::{Actor, Handler, Message, MessageResult, SyncContext};
-use cache::{BackingId, Eviction, PageClone, PageCopy, PrefixHash, SnapshotId, Tier};
+use cache::{
+    BackingId, Eviction, FlushPlan, PageClone, PageCopy, PrefixHash, Promotion, SnapshotId, Tier,
+};
 use engine::EngineError;
 use engine::backend::{Backend, BackendInfo, HostRun, MemoryReport, RowPlan, StepOutput, StepPlan};
+use engine::disk::{DiskDone, DiskFault, DiskSource, DiskTier, WriteJob};
 use engine::sampling::Sampler;
 use engine::stop::is_stop_token;
 
@@ -43,6 +46,12 @@ pub struct Engine {
     /// snapshot or prefix is refused (a store that pointed at the wrong buffer would restore
     /// someone else's KV, seed 002).
     frames: HashMap<BackingId, BackingFrame>,
+    /// The disk tier's files, if there is one.
+    disk: Option<DiskTier>,
+    /// Promotions whose read runs, by their memory backing: the snapshot and its file.
+    promoting: HashMap<BackingId, (SnapshotId, BackingId)>,
+    /// Tiers where a copy other than a restore found corrupt bytes since the last reply.
+    corrupt_found: Vec<Tier>,
 }
 
 /// The identity half of a backing's frame; the bytes' half is the backend's block sums.
@@ -60,6 +69,7 @@ struct Demotion {
     /// reported. The store learns of the copy only through the step's reply, so no restore
     /// planned after that reads it.
     from: BackingId,
+    from_tier: Tier,
 }
 
 impl Engine {
@@ -71,7 +81,16 @@ impl Engine {
             demoting: HashMap::new(),
             demoted_sources: Vec::new(),
             frames: HashMap::new(),
+            disk: None,
+            promoting: HashMap::new(),
+            corrupt_found: Vec::new(),
         }
+    }
+
+    /// Gives the engine the disk tier's files (opened and adopted by the store already).
+    pub fn with_disk(mut self, disk: DiskTier) -> Self {
+        self.disk = Some(disk);
+        self
     }
 
     /// The backings the backend holds now (tests compare them with the store's).
@@ -101,16 +120,29 @@ impl Actor for Engine {
 }
 
 impl Engine {
-    /// Drops evicted buffers; a demoted one is first copied to its host buffer, a copy that
-    /// runs beside the steps and is reported by [`Engine::reap_demotions`]. A demotion that
-    /// cannot start is reported failed at once.
+    /// Drops evicted buffers; a demoted one is first copied to its new tier (a host buffer,
+    /// or a file), a copy that runs beside the steps and is reported by
+    /// [`Engine::reap_demotions`]. A demotion that cannot start is reported failed at once.
     fn evict(&mut self, evictions: &[Eviction], demotions: &mut Vec<(SnapshotId, bool)>) {
         for eviction in evictions {
+            if eviction.from == Tier::Disk {
+                if let Some(disk) = &mut self.disk {
+                    disk.delete(eviction.backing);
+                }
+                continue;
+            }
             if let Some(to) = eviction.demoted_to {
-                let started = self
-                    .backend
-                    .alloc_backing(to, Tier::Host, eviction.bytes)
-                    .and_then(|()| self.backend.copy_backing(eviction.backing, to));
+                let started = if eviction.demoted_tier == Tier::Disk {
+                    self.start_disk_write(eviction, to, false)
+                } else {
+                    self.backend
+                        .alloc_backing(to, eviction.demoted_tier, eviction.bytes)
+                        .and_then(|()| self.backend.copy_backing(eviction.backing, to))
+                        .map_err(|e| {
+                            let _ = self.backend.free_backing(to);
+                            e.to_string()
+                        })
+                };
                 match started {
                     Ok(()) => {
                         if let Some(frame) = self.frames.get(&eviction.backing).cloned() {
@@ -119,13 +151,13 @@ impl Engine {
                         let demotion = Demotion {
                             snapshot: eviction.snapshot,
                             from: eviction.backing,
+                            from_tier: eviction.from,
                         };
                         self.demoting.insert(to, demotion);
                         continue;
                     }
                     Err(e) => {
                         tracing::warn!("demoting {}: {e}", eviction.snapshot);
-                        let _ = self.backend.free_backing(to);
                         demotions.push((eviction.snapshot, false));
                     }
                 }
@@ -133,6 +165,145 @@ impl Engine {
             self.frames.remove(&eviction.backing);
             if let Err(e) = self.backend.free_backing(eviction.backing) {
                 tracing::error!("freeing evicted {}: {e}", eviction.backing);
+            }
+        }
+    }
+
+    /// Starts writing an evicted buffer to its file: from its host memory where it has some,
+    /// else from a copy.
+    fn start_disk_write(
+        &mut self,
+        eviction: &Eviction,
+        to: BackingId,
+        kept: bool,
+    ) -> Result<(), String> {
+        let Some(disk) = &mut self.disk else {
+            return Err("there is no disk tier".into());
+        };
+        let frame = self
+            .frames
+            .get(&eviction.backing)
+            .cloned()
+            .ok_or("its buffer has no frame")?;
+        let sums = self
+            .backend
+            .backing_sums(eviction.backing)
+            .map_err(|e| e.to_string())?;
+        let source = match self.backend.host_runs(eviction.backing) {
+            Ok(runs) => DiskSource::Runs(runs),
+            Err(_) => DiskSource::Owned(
+                self.backend
+                    .read_backing(eviction.backing)
+                    .map_err(|e| e.to_string())?,
+            ),
+        };
+        disk.write(WriteJob {
+            to,
+            snapshot: frame.snapshot,
+            chain: frame.chain,
+            sums,
+            kept,
+            source,
+        });
+        Ok(())
+    }
+
+    /// Starts reading disk snapshots back into memory buffers it allocates; a promotion that
+    /// cannot start is reported failed at once.
+    fn promote(
+        &mut self,
+        promotions: &[Promotion],
+        done: &mut Vec<(SnapshotId, Result<(), RestoreFault>)>,
+    ) {
+        for promotion in promotions {
+            let started = match &mut self.disk {
+                None => Err("there is no disk tier".to_string()),
+                Some(disk) => self
+                    .backend
+                    .alloc_backing(promotion.to, promotion.tier, promotion.bytes)
+                    .and_then(|()| self.backend.host_runs(promotion.to))
+                    .map(|runs| disk.read(promotion.from, promotion.to, runs))
+                    .map_err(|e| {
+                        let _ = self.backend.free_backing(promotion.to);
+                        e.to_string()
+                    }),
+            };
+            match started {
+                Ok(()) => {
+                    tracing::info!(
+                        "reading {} ({} bytes) back from the disk tier into the {} tier",
+                        promotion.snapshot,
+                        promotion.bytes,
+                        promotion.tier
+                    );
+                    self.promoting
+                        .insert(promotion.to, (promotion.snapshot, promotion.from));
+                }
+                Err(e) => done.push((promotion.snapshot, Err(RestoreFault::Failed(e)))),
+            }
+        }
+    }
+
+    /// Collects the disk copies that ended: demotions to files and promotions from them.
+    fn reap_disk(
+        &mut self,
+        wait: bool,
+        demotions: &mut Vec<(SnapshotId, bool)>,
+        promotions: &mut Vec<(SnapshotId, Result<(), RestoreFault>)>,
+    ) {
+        let Some(disk) = &mut self.disk else { return };
+        for done in disk.finished(wait) {
+            match done {
+                DiskDone::Written { to, result } => {
+                    let Some(demotion) = self.demoting.remove(&to) else {
+                        tracing::error!("a write of {to} ended that no demotion started");
+                        continue;
+                    };
+                    match &result {
+                        Err(DiskFault::Corrupt(e)) => {
+                            tracing::error!(
+                                "{} ({} tier) not written to disk, its bytes are corrupt: {e}",
+                                demotion.snapshot,
+                                demotion.from_tier
+                            );
+                            self.corrupt_found.push(demotion.from_tier);
+                        }
+                        Err(e) => tracing::warn!("writing {} to disk: {e}", demotion.snapshot),
+                        Ok(()) => {}
+                    }
+                    self.frames.remove(&to);
+                    self.demoted_sources.push(demotion.from);
+                    demotions.push((demotion.snapshot, result.is_ok()));
+                }
+                DiskDone::Read { to, result, .. } => {
+                    let Some((snapshot, _file)) = self.promoting.remove(&to) else {
+                        tracing::error!("a read into {to} ended that no promotion started");
+                        continue;
+                    };
+                    let landed = result
+                        .map_err(|fault| match fault {
+                            DiskFault::Corrupt(reason) => RestoreFault::Corrupt {
+                                tier: Tier::Disk,
+                                reason,
+                            },
+                            DiskFault::Io(reason) => RestoreFault::Failed(reason),
+                        })
+                        .and_then(|tables| {
+                            self.backend
+                                .set_backing_sums(to, &tables.sums)
+                                .map_err(|e| RestoreFault::Failed(e.to_string()))?;
+                            let frame = BackingFrame {
+                                snapshot,
+                                chain: tables.chain.into(),
+                            };
+                            self.frames.insert(to, frame);
+                            Ok(())
+                        });
+                    if landed.is_err() {
+                        let _ = self.backend.free_backing(to);
+                    }
+                    promotions.push((snapshot, landed));
+                }
             }
         }
     }
@@ -396,9 +567,13 @@ impl Engine {
     /// Does a step's work in order: evictions, restores, forks, forward pass and sampling,
     /// saves.
     pub fn run(&mut self, mut step: EngineStep) -> EngineStepReply {
+        let began = std::time::Instant::now();
         let mut demotions = Vec::new();
+        let mut promotions = Vec::new();
         self.reap_demotions(false, &mut demotions);
+        self.reap_disk(false, &mut demotions, &mut promotions);
         self.evict(&step.evictions, &mut demotions);
+        self.promote(&step.promotions, &mut promotions);
         let queued: Vec<Result<bool, String>> =
             step.restores.iter().map(|r| self.restore(r)).collect();
         let forks = step
@@ -415,6 +590,7 @@ impl Engine {
             &step.row_steps,
             &mut first_step_seconds,
         );
+        let forwarded = began.elapsed();
         let restores = self.restore_outcomes(&step.restores, queued);
         let saves = match &forward {
             Ok(_) => step
@@ -431,9 +607,22 @@ impl Engine {
                 .map(|_| Err(format!("not saved: the step failed: {e}")))
                 .collect(),
         };
+        tracing::debug!(
+            "engine step: {} rows, {} restores, {} saves, {} evictions, {} promotions: \
+             {:.1} ms to the forward's end, {:.1} ms in all",
+            step.plan.rows.len(),
+            step.restores.len(),
+            step.saves.len(),
+            step.evictions.len(),
+            step.promotions.len(),
+            forwarded.as_secs_f64() * 1e3,
+            began.elapsed().as_secs_f64() * 1e3
+        );
         EngineStepReply {
             demotions,
             engine_gone: false,
+            promotions,
+            corrupt_found: std::mem::take(&mut self.corrupt_found),
             restores,
             forks,
             forward,
@@ -547,9 +736,69 @@ impl Handler<FreeBacking> for Engine {
     }
 }
 
+/// Writes snapshots to the disk tier at shutdown and waits for the files; answers how many
+/// were written.
+#[derive(Debug, Message)]
+#[rtype(result = "usize")]
+pub struct FlushToDisk(pub FlushPlan);
+
+impl Handler<FlushToDisk> for Engine {
+    type Result = usize;
+
+    fn handle(&mut self, msg: FlushToDisk, _: &mut SyncContext<Self>) -> usize {
+        self.flush_to_disk(msg.0)
+    }
+}
+
 impl Engine {
+    /// Writes `plan`'s snapshots to their files (several at once) and waits for them all.
+    pub fn flush_to_disk(&mut self, plan: FlushPlan) -> usize {
+        if self.disk.is_none() {
+            return 0;
+        }
+        let started = std::time::Instant::now();
+        // Demotions still copying: their sources stay as they are, the copies are let end.
+        let (mut demotions, mut promotions) = (Vec::new(), Vec::new());
+        self.reap_demotions(true, &mut demotions);
+        self.reap_disk(true, &mut demotions, &mut promotions);
+        self.evict(&plan.deletions, &mut demotions);
+        let mut writing = Vec::new();
+        for copy in &plan.copies {
+            let eviction = Eviction {
+                snapshot: copy.snapshot,
+                from: copy.from_tier,
+                backing: copy.from,
+                bytes: 0,
+                demoted_to: Some(copy.to),
+                demoted_tier: Tier::Disk,
+            };
+            match self.start_disk_write(&eviction, copy.to, copy.kept) {
+                Ok(()) => writing.push(copy.to),
+                Err(e) => tracing::warn!("flushing {} to disk: {e}", copy.snapshot),
+            }
+        }
+        let disk = self.disk.as_mut().expect("checked above");
+        let written = disk
+            .finished(true)
+            .into_iter()
+            .filter(|done| {
+                matches!(done, DiskDone::Written { to, result: Ok(()) } if writing.contains(to))
+            })
+            .count();
+        tracing::info!(
+            "flushed {written} of {} snapshots to the disk tier in {:.1} s",
+            plan.copies.len(),
+            started.elapsed().as_secs_f64()
+        );
+        written
+    }
+
     /// Frees a snapshot buffer the store gave up outside a step.
     pub fn free_backing(&mut self, backing: BackingId) {
+        if let Some(disk) = self.disk.as_mut().filter(|d| d.holds(backing)) {
+            disk.delete(backing);
+            return;
+        }
         self.frames.remove(&backing);
         if let Err(e) = self.backend.free_backing(backing) {
             tracing::error!("freeing {backing}: {e}");
@@ -585,7 +834,11 @@ impl Handler<GetBackings> for Engine {
     type Result = MessageResult<GetBackings>;
 
     fn handle(&mut self, _: GetBackings, _: &mut SyncContext<Self>) -> Self::Result {
-        MessageResult(self.backend.backing_ids())
+        let mut ids = self.backend.backing_ids();
+        if let Some(disk) = &self.disk {
+            ids.extend(disk.ids());
+        }
+        MessageResult(ids)
     }
 }
 

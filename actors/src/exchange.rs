@@ -4,8 +4,8 @@
 //! vocabulary does not depend on actix.
 
 use cache::{
-    BackingId, CacheError, Eviction, LookupHit, PageClone, PageCopy, PageId, PrefixHash,
-    RestorePlan, SaveReservation, SaveStart, SlotHandle, SnapshotId, Tier,
+    BackingId, CacheError, Eviction, LookupHit, PageClone, PageCopy, PageId, PrefixHash, Promotion,
+    PromotionStart, RestorePlan, SaveReservation, SaveStart, SlotHandle, SnapshotId, Tier,
 };
 use engine::backend::StepPlan;
 use engine::sampling::Sampler;
@@ -71,6 +71,10 @@ pub enum StoreOp {
     AbortDemotion(SnapshotId),
     /// A restore found the snapshot corrupt: drop it.
     DropCorrupt(SnapshotId),
+    /// Starts reading a disk snapshot back into memory.
+    BeginPromotion(SnapshotId),
+    CommitPromotion(SnapshotId),
+    AbortPromotion(SnapshotId),
 }
 
 /// The answer to one [`StoreOp`], in the same position.
@@ -82,6 +86,7 @@ pub enum StoreReply {
     Done(Result<(), CacheError>),
     /// Done, and these buffers are to be freed.
     Freed(Result<Vec<Eviction>, CacheError>),
+    Promotion(Result<PromotionStart, CacheError>),
 }
 
 /// A snapshot to fill: allocate `backing` and copy pool pages into it.
@@ -135,6 +140,8 @@ impl std::fmt::Display for RestoreFault {
 /// Everything the backend does for one scheduler step.
 pub struct EngineStep {
     pub evictions: Vec<Eviction>,
+    /// Disk snapshots to read back into memory, beside the steps (after the evictions).
+    pub promotions: Vec<Promotion>,
     pub restores: Vec<RestoreCopy>,
     /// Pool pages to copy onto others after the restores, before the forward pass: one list
     /// per choice of an `n` > 1 request taking the prompt's KV from its first choice.
@@ -193,6 +200,11 @@ pub struct EngineStepReply {
     pub demotions: Vec<(SnapshotId, bool)>,
     /// The engine is gone: demotions it had started will never be reported.
     pub engine_gone: bool,
+    /// Promotions whose read ended since the last step, and how.
+    pub promotions: Vec<(SnapshotId, Result<(), RestoreFault>)>,
+    /// Tiers where a copy other than a restore (a write to disk) found corrupt bytes: that
+    /// snapshot's demotion failed and it is gone.
+    pub corrupt_found: Vec<Tier>,
     pub restores: Vec<Result<(), RestoreFault>>,
     /// One per fork of the step, in order.
     pub forks: Vec<Result<(), String>>,
@@ -232,6 +244,8 @@ impl EngineStepReply {
         EngineStepReply {
             demotions: Vec::new(),
             engine_gone: true,
+            promotions: Vec::new(),
+            corrupt_found: Vec::new(),
             restores: vec![Err(RestoreFault::Failed(reason.to_string())); shape.restores],
             forks: vec![Err(reason.to_string()); shape.forks],
             forward: Err(reason.to_string()),

@@ -75,6 +75,10 @@ fn describe() {
             "Snapshot lookups that found a stored prefix.",
         ),
         (
+            "snapserve_snapshot_promotions_total",
+            "Snapshots read back from the disk tier into memory for a request that found them there.",
+        ),
+        (
             "snapserve_snapshot_corrupt_total",
             "Snapshots refused because a copy's frame or block checksums did not match, by the tier read; the request recomputed.",
         ),
@@ -200,7 +204,7 @@ pub async fn render(handles: &Handles, prometheus: &PrometheusHandle) -> String 
     counter!("snapserve_preemptions_total").absolute(scheduler.preemptions);
     counter!("snapserve_scheduler_steps_total").absolute(scheduler.steps);
     counter!("snapserve_multi_step_steps_total").absolute(scheduler.multi_steps);
-    for (tier, count) in ["device", "host"]
+    for (tier, count) in ["device", "host", "disk"]
         .into_iter()
         .zip(scheduler.corrupt_restores)
     {
@@ -219,7 +223,11 @@ pub async fn render(handles: &Handles, prometheus: &PrometheusHandle) -> String 
     }
 
     let store = stats.store;
-    for (tier, t) in [("device", store.device), ("host", store.host)] {
+    for (tier, t) in [
+        ("device", store.device),
+        ("host", store.host),
+        ("disk", store.disk),
+    ] {
         gauge!("snapserve_snapshot_bytes", "tier" => tier).set(t.charged_bytes as f64);
         gauge!("snapserve_snapshot_budget_bytes", "tier" => tier).set(t.budget_bytes as f64);
         gauge!("snapserve_snapshots", "tier" => tier).set(t.snapshots as f64);
@@ -229,6 +237,7 @@ pub async fn render(handles: &Handles, prometheus: &PrometheusHandle) -> String 
     counter!("snapserve_snapshot_misses_total").absolute(store.misses);
     counter!("snapserve_snapshot_evictions_total").absolute(store.evictions);
     counter!("snapserve_snapshot_demotions_total").absolute(store.demotions);
+    counter!("snapserve_snapshot_promotions_total").absolute(store.promotions);
     counter!("snapserve_snapshot_refusals_total").absolute(store.refusals);
     counter!("snapserve_snapshot_saves_total").absolute(store.saves_committed);
     counter!("snapserve_snapshot_saves_skipped_total").absolute(store.saves_skipped);

@@ -6,7 +6,9 @@
 //! request.
 
 use actix::{Actor, Context, Handler, Message, MessageResult};
-use cache::{BackingId, CacheError, SnapshotId, SnapshotInfo, SnapshotStore as Store, StoreStats};
+use cache::{
+    BackingId, CacheError, FlushPlan, SnapshotId, SnapshotInfo, SnapshotStore as Store, StoreStats,
+};
 
 pub use crate::exchange::{StoreOp, StoreReply};
 
@@ -75,6 +77,15 @@ impl SnapshotStore {
                 StoreReply::Freed(self.store.commit_demotion(snapshot))
             }
             StoreOp::DropCorrupt(snapshot) => StoreReply::Freed(self.store.drop_corrupt(snapshot)),
+            StoreOp::BeginPromotion(snapshot) => {
+                StoreReply::Promotion(self.store.begin_promotion(snapshot))
+            }
+            StoreOp::CommitPromotion(snapshot) => {
+                StoreReply::Freed(self.store.commit_promotion(snapshot))
+            }
+            StoreOp::AbortPromotion(snapshot) => {
+                StoreReply::Freed(self.store.abort_promotion(snapshot))
+            }
             StoreOp::AbortDemotion(snapshot) => {
                 StoreReply::Done(self.store.abort_demotion(snapshot))
             }
@@ -137,6 +148,19 @@ impl Handler<DiscardSnapshot> for SnapshotStore {
 
     fn handle(&mut self, msg: DiscardSnapshot, _: &mut Context<Self>) -> Self::Result {
         self.store.discard(msg.0)
+    }
+}
+
+/// What a clean shutdown writes to the disk tier ([`cache::SnapshotStore::plan_flush`]).
+#[derive(Debug, Message)]
+#[rtype(result = "FlushPlan")]
+pub struct PlanFlush;
+
+impl Handler<PlanFlush> for SnapshotStore {
+    type Result = MessageResult<PlanFlush>;
+
+    fn handle(&mut self, _: PlanFlush, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.store.plan_flush())
     }
 }
 

@@ -14,14 +14,15 @@ use policy::Policies;
 use crate::admission::{
     Admission, Cancel, CutAll, Drain, GetSchedulerStats, Submit, SubmitChoices, SubmitKept,
 };
-use crate::engine::{Engine, FlipByte, FreeBacking, GetBackings, GetMemory};
+use crate::engine::{Engine, FlipByte, FlushToDisk, FreeBacking, GetBackings, GetMemory};
 use crate::error::ServeError;
 use crate::kv_pool::{GetPoolStats, KvPool};
 use crate::request::{Event, GenerateRequest, RequestId, RequestStream, Usage};
 use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerStats, SequenceLimit};
 use crate::snapshot_store::{
-    DiscardSnapshot, GetSnapshot, GetStoreStats, ListSnapshots, SnapshotStore,
+    DiscardSnapshot, GetSnapshot, GetStoreStats, ListSnapshots, PlanFlush, SnapshotStore,
 };
+use engine::disk::DiskTier;
 
 /// What the actors are built from besides the backend.
 #[derive(Debug, Clone)]
@@ -95,6 +96,38 @@ pub fn build(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Parts, Se
         &policies.snapshots,
     );
     store.set_save_after_sightings(policies.snapshots.save_after_sightings(on_gpu));
+    let salt = PrefixSalt::new(&config.model_id, None);
+    let mut engine = Engine::new(backend, config.eos_token_ids.clone());
+    if let Some(dir) = policies.snapshots.disk_dir() {
+        let (mut disk, found) = DiskTier::open(dir, salt.0, store.geometry()).map_err(|e| {
+            ServeError::Invalid(format!("opening snapshots.disk_dir {}: {e}", dir.display()))
+        })?;
+        // Oldest use first: the most recent are the last the budget would refuse.
+        let (mut adopted, mut bytes) = (0, 0);
+        for file in found {
+            match store.adopt_disk(&file.chain, file.kept) {
+                Ok((_, backing)) => {
+                    disk.bind(backing, &file);
+                    adopted += 1;
+                    bytes += file.bytes;
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "snapshot disk tier: not keeping {}: {e}",
+                        file.path.display()
+                    );
+                    let _ = std::fs::remove_file(&file.path);
+                }
+            }
+        }
+        if adopted > 0 {
+            tracing::info!(
+                "snapshot disk tier: {adopted} snapshots ({:.2} GiB) from before the start are findable",
+                bytes as f64 / (1u64 << 30) as f64
+            );
+        }
+        engine = engine.with_disk(disk);
+    }
     let scheduler = Scheduler::new(SchedulerConfig {
         max_queue: policies.admission.max_queue(),
         max_running,
@@ -112,14 +145,14 @@ pub fn build(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Parts, Se
         min_save_tokens: policies.snapshots.min_save_tokens(),
         save_replies: policies.snapshots.save_replies(),
         save_tier: Tier::Device,
-        salt: PrefixSalt::new(&config.model_id, None),
+        salt,
         seed: config.seed,
     });
     Ok(Parts {
         scheduler,
         pool: KvPool::new(pool),
         store: SnapshotStore::new(store),
-        engine: Engine::new(backend, config.eos_token_ids.clone()),
+        engine,
         mailbox: policies.admission.max_queue() + 64,
     })
 }
@@ -296,6 +329,16 @@ impl Handles {
     /// thread has died.
     pub fn engine_alive(&self) -> bool {
         self.engine_alive.load(Ordering::SeqCst)
+    }
+
+    /// Writes the snapshots still in memory to the disk tier (most recently used first, as
+    /// many as its budget holds) and waits for every file; answers how many were written. Call
+    /// it once no request runs: a clean shutdown's last step before [`Handles::shutdown`].
+    pub async fn flush_to_disk(&self) -> usize {
+        let Ok(plan) = self.store.send(PlanFlush).await else {
+            return 0;
+        };
+        self.engine.send(FlushToDisk(plan)).await.unwrap_or(0)
     }
 
     /// Releases the backend on the engine's thread and waits until it is gone; requests still

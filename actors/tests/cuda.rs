@@ -195,43 +195,52 @@ async fn multi_step_decoding_on_the_gpu_feeds_back_the_sampled_tokens() {
     );
 }
 
-/// The corruption drill on the GPU: a thousand prompt snapshots across the device and host
-/// tiers, a hundred of them with one byte flipped where they lie. Every request over a
-/// flipped snapshot is refused its restore (it reports no cached tokens) and recomputes;
-/// every other restores; the corruption is counted by tier; afterwards the engine holds
-/// exactly the store's buffers, the pool is whole and the server serves.
+/// The corruption drill on the GPU: a thousand prompt snapshots across the device, host and
+/// disk tiers, a hundred of them damaged where they lie: one byte flipped in memory, or in a
+/// file, or a file cut short. Every request over a damaged snapshot reports no cached tokens
+/// (it recomputed), every other restores; each damage is found and counted once (by the
+/// restore that read it, the disk read, or the disk write of a demotion); afterwards the
+/// engine holds exactly the store's buffers and files, the pool is whole and the server serves.
 #[actix_rt::test]
 #[ignore = "needs a CUDA device"]
-async fn a_corruption_drill_refuses_every_flipped_snapshot_on_the_gpu() {
+async fn a_corruption_drill_refuses_every_damaged_snapshot_on_the_gpu() {
     use rand::{RngExt, SeedableRng};
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
     let (_dir, files) = model();
+    let disk = tempfile::tempdir().unwrap();
     let vocab = files.config.vocab_size;
     const PROMPTS: u64 = 1000;
     let page_bytes = (2 * files.config.num_layers * files.config.num_kv_heads)
         * files.config.head_dim
         * 2
         * PAGE;
-    // Three pages a prompt; the device tier holds about 300 of them, the host the rest.
-    let device_bytes = 300 * 3 * page_bytes as u64;
-    let host_bytes = 2 * PROMPTS * 3 * page_bytes as u64;
+    let snapshot = 3 * page_bytes as u64;
+    // The device tier holds 300 three-page prompts, the host 300, the disk the rest (and room
+    // for what the drill saves anew: nothing damaged is evicted unread).
     let toml = format!(
         "[admission]\nmax_running = 64\n\
          [snapshots]\nmin_save_tokens = 32\nsave_after_sightings = 1\nsave_replies = false\n\
-         device_budget_bytes = {device_bytes}\nhost_budget_bytes = {host_bytes}\n\
-         demote_to_host = true\n"
+         device_budget_bytes = {}\nhost_budget_bytes = {}\ndemote_to_host = true\n\
+         disk_dir = \"{}\"\ndisk_budget_bytes = {}\n",
+        300 * snapshot,
+        300 * snapshot,
+        disk.path().display(),
+        3 * PROMPTS * snapshot,
     );
     let mut backend = CudaBackend::load(
         &files,
         &CudaOptions {
-            device_snapshot_bytes: device_bytes,
-            host_snapshot_bytes: host_bytes,
+            device_snapshot_bytes: 300 * snapshot,
+            // Room beside the budget for buffers whose disk write is still running.
+            host_snapshot_bytes: 600 * snapshot,
             ..CudaOptions::for_tokens(1024 * PAGE, 2048, 64)
         },
     )
     .expect("these tests need a CUDA device");
     backend.wait_for_snapshot_arenas();
-    let handles = actors::start(Box::new(backend), serve_config(&files, policies(&toml))).unwrap();
+    let config = serve_config(&files, policies(&toml));
+    let hasher = cache::PrefixHasher::new(cache::PrefixSalt::new(&config.model_id, None), PAGE);
+    let handles = actors::start(Box::new(backend), config).unwrap();
     let prompts: Vec<Vec<u32>> = (0..PROMPTS)
         .map(|i| prompt(10_000 + i, 3 * PAGE + 2, vocab))
         .collect();
@@ -247,7 +256,7 @@ async fn a_corruption_drill_refuses_every_flipped_snapshot_on_the_gpu() {
             assert!(finished(&completion), "{:?}", completion.end);
         }
     }
-    let saved = wait_idle(&handles).await;
+    let saved = settle(&handles).await;
     let mut stored = handles.snapshots().await;
     stored.sort_by_key(|s| s.id);
     assert_eq!(
@@ -257,22 +266,43 @@ async fn a_corruption_drill_refuses_every_flipped_snapshot_on_the_gpu() {
         saved.store
     );
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-    let mut flipped = std::collections::HashMap::new();
-    while flipped.len() < 100 {
-        let info = stored[rng.random_range(0..stored.len())];
-        let offset = rng.random_range(0..info.bytes);
-        let mask = 1u8 << rng.random_range(0..8u32);
-        handles
-            .corrupt_snapshot(info.id, offset, mask)
-            .await
-            .unwrap();
-        flipped.insert(info.id, info.tier);
+    let mut damaged = std::collections::HashMap::new();
+    while damaged.len() < 100 {
+        let i = rng.random_range(0..stored.len());
+        let info = stored[i];
+        if damaged.contains_key(&info.id) {
+            continue;
+        }
+        if info.tier == cache::Tier::Disk {
+            let end = hasher.chain(&prompts[i])[2].0;
+            let path = disk.path().join(format!("{end:032x}.snap"));
+            let mut bytes = std::fs::read(&path).unwrap();
+            if damaged.len() % 2 == 0 {
+                let at = bytes.len() - 1 - rng.random_range(0..info.bytes as usize);
+                bytes[at] ^= 1 << rng.random_range(0..8u32);
+            } else {
+                bytes.truncate(bytes.len() - 1 - rng.random_range(0..1000usize));
+            }
+            std::fs::write(&path, bytes).unwrap();
+        } else {
+            let offset = rng.random_range(0..info.bytes);
+            let mask = 1u8 << rng.random_range(0..8u32);
+            handles
+                .corrupt_snapshot(info.id, offset, mask)
+                .await
+                .unwrap();
+        }
+        damaged.insert(info.id, info.tier);
     }
-    let tiers = |tier| flipped.values().filter(|&&t| t == tier).count();
-    let (on_device, on_host) = (tiers(cache::Tier::Device), tiers(cache::Tier::Host));
+    let tiers = |tier| damaged.values().filter(|&&t| t == tier).count();
+    let by_tier = [
+        tiers(cache::Tier::Device),
+        tiers(cache::Tier::Host),
+        tiers(cache::Tier::Disk),
+    ];
     assert!(
-        on_device > 10 && on_host > 10,
-        "{on_device} on the device, {on_host} on the host"
+        by_tier.iter().all(|&n| n > 10),
+        "damaged by tier: {by_tier:?}"
     );
 
     // Each prompt again with a new question, one at a time, in the order saved.
@@ -287,24 +317,19 @@ async fn a_corruption_drill_refuses_every_flipped_snapshot_on_the_gpu() {
         let Event::Finished { usage, .. } = &completion.end else {
             unreachable!("finished")
         };
-        if flipped.contains_key(&info.id) {
-            assert_eq!(usage.cached_tokens, 0, "{} was flipped", info.id);
+        if damaged.contains_key(&info.id) {
+            assert_eq!(usage.cached_tokens, 0, "{} was damaged", info.id);
             refused += 1;
         } else {
             assert_eq!(usage.cached_tokens, 3 * PAGE, "{} is intact", info.id);
         }
     }
     assert_eq!(refused, 100);
-    let stats = wait_idle(&handles).await;
-    // A flipped snapshot may have been demoted before it was read (the flip travels with it,
-    // sums and all), so only the total is exact.
-    let [device, host] = stats.scheduler.corrupt_restores;
-    assert_eq!(device + host, 100);
-    assert!(
-        device > 0 && host > 0,
-        "{device} refused on the device, {host} on the host"
-    );
-    assert_eq!(stats.store.corrupt, 100);
+    let stats = settle(&handles).await;
+    // A damaged snapshot may have moved down a tier before it was read (the damage travels
+    // with it, sums and all), so only the total is exact.
+    let found = stats.scheduler.corrupt_restores;
+    assert_eq!(found.iter().sum::<u64>(), 100, "found by tier: {found:?}");
     assert_eq!(stats.pool.free_pages, stats.pool.total_pages);
     let mut held = handles.backings().await;
     let mut listed: Vec<_> = handles
@@ -315,9 +340,26 @@ async fn a_corruption_drill_refuses_every_flipped_snapshot_on_the_gpu() {
         .collect();
     held.sort();
     listed.sort();
-    assert_eq!(held, listed, "no buffer leaked");
+    assert_eq!(held, listed, "no buffer or file leaked");
     eprintln!(
-        "drill: {PROMPTS} snapshots, 100 flipped ({on_device} on the device, {on_host} on the host), \
-         100 refused and recomputed ({device} read from the device, {host} from the host)"
+        "drill: {PROMPTS} snapshots, 100 damaged (device, host, disk: {by_tier:?}), 100 refused and \
+         recomputed, found where read (device, host, disk): {found:?}"
     );
+}
+
+/// Waits until no snapshot is moving between tiers.
+async fn settle(handles: &actors::Handles) -> actors::Stats {
+    for _ in 0..3000 {
+        let stats = wait_idle(handles).await;
+        let moving = handles
+            .snapshots()
+            .await
+            .iter()
+            .any(|s| s.state != cache::SnapshotState::Ready);
+        if !moving {
+            return stats;
+        }
+        actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("snapshots still moving between tiers");
 }

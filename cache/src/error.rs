@@ -68,6 +68,8 @@ pub enum CacheError {
         expected: SnapshotState,
         found: SnapshotState,
     },
+    #[error("{snapshot} is on disk: promote it to memory before restoring it")]
+    OnDisk { snapshot: SnapshotId },
     #[error("{snapshot} has no restore in flight")]
     NotPinned { snapshot: SnapshotId },
     #[error("{snapshot} has a restore in flight")]
@@ -124,4 +126,16 @@ pub enum CacheError {
     PayloadLength { declared: u64, found: u64 },
     #[error("payload checksum {computed:#010x} does not match its frame's {stored:#010x}")]
     PayloadChecksum { stored: u32, computed: u32 },
+
+    // Snapshot files.
+    #[error(
+        "snapshot file of another model (fingerprint {found:#034x}, this one {expected:#034x})"
+    )]
+    FileModel { found: u128, expected: u128 },
+    #[error("snapshot file is {found} bytes, its header declares {declared}")]
+    FileLength { declared: u64, found: u64 },
+    #[error("snapshot file's page hashes or block sums are corrupt")]
+    FileTables,
+    #[error("block {block} of the snapshot's payload does not match its sum")]
+    BlockChecksum { block: usize },
 }

@@ -14,6 +14,7 @@
 //! - [`plan`]: page copies between snapshots and the pool.
 //! - [`checksum`]: the block sums every copy of snapshot bytes is checked by.
 //! - [`frame`]: the validated record of a save or restore ([`Frame`]).
+//! - [`snapshot_file`]: the disk tier's self-checking file format.
 //! - [`error`]: the crate's one error type, [`CacheError`].
 
 pub mod checksum;
@@ -24,6 +25,7 @@ pub mod ids;
 pub mod plan;
 pub mod pool;
 pub mod prefix;
+pub mod snapshot_file;
 pub mod store;
 
 pub use error::CacheError;
@@ -34,6 +36,7 @@ pub use plan::{PageClone, PageCopy, page_clones};
 pub use pool::{PagePool, PoolConfig, PoolStats};
 pub use prefix::{PrefixHash, PrefixHasher, PrefixSalt};
 pub use store::{
-    Eviction, LookupHit, RestorePlan, SaveReservation, SaveStart, SnapshotInfo, SnapshotState,
-    SnapshotStore, StoreStats, Tier, TierStats,
+    Eviction, FlushCopy, FlushPlan, LookupHit, Promotion, PromotionStart, RestorePlan,
+    SaveReservation, SaveStart, SnapshotInfo, SnapshotState, SnapshotStore, StoreStats, Tier,
+    TierStats,
 };

@@ -305,6 +305,7 @@ fn abort(store: &mut SnapshotStore, model: &mut Model, reservation: SaveReservat
     let charged = |store: &SnapshotStore| match tier {
         Tier::Device => store.stats().device.charged_bytes,
         Tier::Host => store.stats().host.charged_bytes,
+        Tier::Disk => store.stats().disk.charged_bytes,
     };
     let before = charged(store);
     store.abort_save(reservation).unwrap();

@@ -11,6 +11,7 @@ pub mod chat;
 pub mod convert;
 pub mod cpu;
 pub mod cuda;
+pub mod disk;
 pub mod dtype;
 pub mod error;
 pub mod fetch;

@@ -274,3 +274,56 @@ fn a_sized_arena_hands_out_its_pages_and_never_grows() {
     assert_eq!(memory.device_snapshot_bytes, 9 * page_bytes);
     assert_eq!(memory.host_snapshot_bytes, 4 * page_bytes);
 }
+
+/// How fast a restore reads host-tier pages the CPU just wrote (a snapshot read back from the
+/// disk tier), the first time and again: printed, and both must pass their checksums.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn restoring_host_pages_the_cpu_just_wrote_is_checked_and_timed() {
+    let target = 1usize << 30;
+    let (_dir, mut backend) = backend_with(|page| {
+        let n = target / page as usize;
+        CudaOptions {
+            host_snapshot_bytes: (n as u64) * page,
+            ..CudaOptions::for_tokens((n + 1) * PAGE, 256, 4)
+        }
+    });
+    backend.wait_for_snapshot_arenas();
+    let page = backend.info().geometry.page_bytes();
+    let n = target / page;
+    let backing = BackingId(1);
+    backend
+        .alloc_backing(backing, Tier::Host, (n * page) as u64)
+        .unwrap();
+    let runs = backend.host_runs(backing).unwrap();
+    let block = page / (2 * backend.config().num_layers);
+    let mut sums = Vec::new();
+    for (r, run) in runs.iter().enumerate() {
+        // SAFETY: the backing's own host memory, nothing else uses it now.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(run.ptr, run.len) };
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = (i as u32)
+                .wrapping_mul(2_654_435_761)
+                .wrapping_add(r as u32) as u8;
+        }
+        sums.extend(cache::checksum::block_sums(bytes, block));
+    }
+    backend.set_backing_sums(backing, &sums).unwrap();
+    let table: Vec<PageId> = (0..n as u32).map(PageId).collect();
+    for attempt in ["first", "again"] {
+        let started = std::time::Instant::now();
+        backend
+            .restore_pages(backing, &copies(&table, n as u32))
+            .unwrap();
+        let verdicts = backend.restore_verdicts().unwrap();
+        let took = started.elapsed().as_secs_f64();
+        assert_eq!(verdicts, vec![true]);
+        eprintln!(
+            "{attempt} restore of {n} freshly written host pages ({} runs, {:.2} GiB): {:.1} ms, {:.1} GB/s",
+            runs.len(),
+            (n * page) as f64 / (1u64 << 30) as f64,
+            took * 1e3,
+            (n * page) as f64 / took / 1e9
+        );
+    }
+}

@@ -122,6 +122,16 @@ pub struct SnapshotConfig {
     /// where saving competes with the step for the device, and 1 on the CPU, where a save
     /// is a small copy next to the prefill it spares.
     pub save_after_sightings: Option<u32>,
+    /// The disk tier's directory: snapshots evicted from memory are written there, one file
+    /// each, and the server finds them again after a restart. Unset: no disk tier.
+    pub disk_dir: Option<std::path::PathBuf>,
+    /// Bytes of snapshot files the disk tier may hold (needed with `disk_dir`).
+    pub disk_budget_bytes: u64,
+    /// Write a snapshot evicted from the last memory tier to the disk tier (with `disk_dir`).
+    pub demote_to_disk: bool,
+    /// On a clean shutdown, write every snapshot still in memory to the disk tier (most
+    /// recently used first, as many as its budget holds), within the shutdown grace.
+    pub flush_to_disk_on_shutdown: bool,
 }
 
 /// The default `snapshots.save_after_sightings` on a GPU (BENCHMARKS.md says why).
@@ -216,6 +226,10 @@ impl Default for SnapshotConfig {
             save_replies: true,
             pin_prompts_file: None,
             save_after_sightings: None,
+            disk_dir: None,
+            disk_budget_bytes: 0,
+            demote_to_disk: true,
+            flush_to_disk_on_shutdown: true,
         }
     }
 }
@@ -305,9 +319,31 @@ pub struct SnapshotPolicy {
     save_replies: bool,
     pin_prompts_file: Option<std::path::PathBuf>,
     save_after_sightings: Option<u32>,
+    disk_dir: Option<std::path::PathBuf>,
+    disk_budget_bytes: u64,
+    demote_to_disk: bool,
+    flush_to_disk_on_shutdown: bool,
 }
 
 impl SnapshotPolicy {
+    /// The disk tier's directory, if there is a disk tier.
+    pub fn disk_dir(&self) -> Option<&std::path::Path> {
+        self.disk_dir.as_deref()
+    }
+    /// The disk tier's budget: 0 without a disk tier.
+    pub fn disk_budget_bytes(&self) -> u64 {
+        if self.disk_dir.is_some() {
+            self.disk_budget_bytes
+        } else {
+            0
+        }
+    }
+    pub fn demote_to_disk(&self) -> bool {
+        self.disk_dir.is_some() && self.demote_to_disk
+    }
+    pub fn flush_to_disk_on_shutdown(&self) -> bool {
+        self.disk_dir.is_some() && self.flush_to_disk_on_shutdown
+    }
     pub fn device_budget_bytes(&self) -> u64 {
         self.device_budget_bytes
     }
@@ -556,6 +592,11 @@ impl SnapshotConfig {
             "snapshots.save_after_sightings",
             || "must be at least 1".to_string(),
         )?;
+        require(
+            self.disk_dir.is_none() || self.disk_budget_bytes > 0,
+            "snapshots.disk_budget_bytes",
+            || "must be above 0 when snapshots.disk_dir is set".to_string(),
+        )?;
         Ok(SnapshotPolicy {
             device_budget_bytes: self.device_budget_bytes,
             host_budget_bytes: self.host_budget_bytes,
@@ -566,6 +607,10 @@ impl SnapshotConfig {
             save_replies: self.save_replies,
             pin_prompts_file: self.pin_prompts_file.clone(),
             save_after_sightings: self.save_after_sightings,
+            disk_dir: self.disk_dir.clone(),
+            disk_budget_bytes: self.disk_budget_bytes,
+            demote_to_disk: self.demote_to_disk,
+            flush_to_disk_on_shutdown: self.flush_to_disk_on_shutdown,
         })
     }
 }

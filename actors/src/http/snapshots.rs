@@ -107,6 +107,7 @@ pub fn snapshot_object(info: &SnapshotInfo) -> Value {
             SnapshotState::Saving => "saving",
             SnapshotState::Ready => "ready",
             SnapshotState::Demoting => "demoting",
+            SnapshotState::Promoting => "promoting",
         },
     })
 }

@@ -46,6 +46,10 @@ pub(crate) struct Job {
     pub blocked_until: Option<Instant>,
     /// A restore into its pages is in flight this step.
     pub restoring: Option<SnapshotId>,
+    /// Waiting in the queue for this disk snapshot to be read back into memory.
+    pub awaiting: Option<SnapshotId>,
+    /// Its disk snapshot could not be read back: it computes its prompt instead.
+    pub skip_disk: bool,
     pub prompt_saved: bool,
     /// Its prompt is in the store: saved by it, or found already stored.
     pub prompt_stored: bool,
@@ -96,6 +100,8 @@ impl Job {
             backoff: Backoff::new(),
             blocked_until: None,
             restoring: None,
+            awaiting: None,
+            skip_disk: false,
             prompt_saved: false,
             prompt_stored: false,
             keep_prompt: false,
@@ -132,6 +138,7 @@ impl Job {
     /// waiting for the first choice of its request to compute their shared prompt.
     pub fn ready(&self, now: Instant) -> bool {
         self.restoring.is_none()
+            && self.awaiting.is_none()
             && self.fork_of.is_none()
             && !self.closing
             && self.blocked_until.is_none_or(|t| t <= now)

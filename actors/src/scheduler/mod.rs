@@ -95,8 +95,9 @@ pub struct SchedulerStats {
     /// instead of computing.
     pub forked_tokens: u64,
     /// Restores refused because the snapshot's frame or checksums did not match, by the tier
-    /// read (device, host); each request recomputed its prompt.
-    pub corrupt_restores: [u64; 2],
+    /// read (device, host, disk: a file refused when read back); each request recomputed its
+    /// prompt.
+    pub corrupt_restores: [u64; 3],
     pub queued: usize,
     pub running: usize,
 }
@@ -156,6 +157,8 @@ pub struct Scheduler {
     /// Demotions the engine started and has not reported: until it does, steps keep coming
     /// (empty ones when idle, every [`DEMOTION_POLL`]) so each lands in the store.
     demotions_in_flight: usize,
+    /// When the next step collecting copies between tiers is due.
+    next_poll: Instant,
 }
 
 /// How often an idle scheduler asks the engine whether its demotions have landed.
@@ -184,6 +187,7 @@ impl Scheduler {
             latency_ewma: Duration::from_millis(500),
             draining: false,
             demotions_in_flight: 0,
+            next_poll: Instant::now(),
             config,
         }
     }
@@ -373,7 +377,12 @@ impl Scheduler {
         let admissible =
             self.running.len() < self.config.max_running && self.next_admission_fits(now);
         let abandoned = self.queue.iter().any(Job::abandoned);
-        let poll = (self.demotions_in_flight > 0).then(|| now + DEMOTION_POLL);
+        // Copies between tiers are collected by steps: with some running, a step (empty if
+        // need be) runs every DEMOTION_POLL, so each lands in the store, and the requests
+        // waiting for a promotion go on, even when nothing else would step.
+        let copying = self.demotions_in_flight > 0;
+        let poll_due = copying && now >= self.next_poll;
+        let poll = copying.then_some(self.next_poll.max(now));
         let wake = self
             .running
             .iter()
@@ -382,7 +391,10 @@ impl Scheduler {
             .filter(|&t| t > now)
             .chain(poll)
             .min();
-        (pending_work || runnable || admissible || abandoned, wake)
+        (
+            pending_work || runnable || admissible || abandoned || poll_due,
+            wake,
+        )
     }
 
     /// Whether the first queued job not backing off would be admitted now: the same test, in

@@ -8,8 +8,8 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use cache::{
-    CacheError, Eviction, LookupHit, PageClone, PoolStats, SaveReservation, SaveStart, SnapshotId,
-    Tier, page_clones,
+    CacheError, Eviction, LookupHit, PageClone, PoolStats, PromotionStart, SaveReservation,
+    SaveStart, SnapshotId, Tier, page_clones,
 };
 use engine::backend::{LogitsWanted, RowPlan, StepPlan};
 use engine::sampling::Sampler;
@@ -63,6 +63,8 @@ pub(super) enum StoreFollowUp {
     CommitDemotion(SnapshotId),
     AbortDemotion(SnapshotId),
     DropCorrupt(SnapshotId),
+    CommitPromotion(SnapshotId),
+    AbortPromotion(SnapshotId),
 }
 
 impl StoreFollowUp {
@@ -74,6 +76,8 @@ impl StoreFollowUp {
             StoreFollowUp::CommitDemotion(id) => StoreOp::CommitDemotion(id),
             StoreFollowUp::AbortDemotion(id) => StoreOp::AbortDemotion(id),
             StoreFollowUp::DropCorrupt(id) => StoreOp::DropCorrupt(id),
+            StoreFollowUp::CommitPromotion(id) => StoreOp::CommitPromotion(id),
+            StoreFollowUp::AbortPromotion(id) => StoreOp::AbortPromotion(id),
         }
     }
 }
@@ -92,6 +96,7 @@ enum PoolPurpose {
 enum StorePurpose {
     Restore(usize),
     Save(usize, SaveKind),
+    Promote(SnapshotId),
 }
 
 /// The step being built, between the phases.
@@ -124,6 +129,8 @@ pub(super) struct Draft {
     saves: Vec<(usize, SaveKind, SaveReservation)>,
     /// Buffers the last step's follow-ups gave up (corrupt snapshots): freed by this step.
     freed: Vec<Eviction>,
+    /// Disk snapshots queued jobs found, to read back into memory.
+    promote: Vec<SnapshotId>,
     /// Jobs whose restored (or forked) KV was refused as corrupt: what they sampled is not
     /// delivered, and they compute their prompt again from the start.
     recompute: Vec<usize>,
@@ -460,8 +467,31 @@ impl Scheduler {
                 draft.pool_purposes.push(PoolPurpose::Extend(r));
             }
         }
-        for (c, ((job, hit, first), found)) in draft.candidates.iter_mut().zip(hits).enumerate() {
-            *hit = found;
+        // A job whose prefix is on disk waits in the queue while it is read back, unless that
+        // already failed for it; the rest are admitted.
+        let mut parked = Vec::new();
+        let mut admitting = Vec::with_capacity(draft.candidates.len());
+        for ((job, hit, first), found) in
+            std::mem::take(&mut draft.candidates).into_iter().zip(hits)
+        {
+            match found {
+                Some(h) if h.tier == Tier::Disk && !job.skip_disk => {
+                    if !draft.promote.contains(&h.snapshot) {
+                        draft.promote.push(h.snapshot);
+                    }
+                    parked.push((job, h.snapshot));
+                }
+                Some(h) if h.tier == Tier::Disk => admitting.push((job, None, first)),
+                found => admitting.push((job, found.or(hit), first)),
+            }
+        }
+        draft.candidates = admitting;
+        for (mut job, snapshot) in parked.into_iter().rev() {
+            job.awaiting = Some(snapshot);
+            self.queue.push_front(job);
+        }
+        for (c, (job, hit, first)) in draft.candidates.iter_mut().enumerate() {
+            let found = *hit;
             // The new slot comes with the restored prefix and the first chunk after it, which
             // runs in this step: a short request's first token needs no step of its own.
             let restored = found.map_or(0, |h| h.tokens);
@@ -577,6 +607,10 @@ impl Scheduler {
             self.admit_fork(job, leader, runs_now, slot, &mut draft);
         }
         self.plan_saves(&mut draft, &mut ops);
+        for &snapshot in &draft.promote {
+            ops.push(StoreOp::BeginPromotion(snapshot));
+            draft.store_purposes.push(StorePurpose::Promote(snapshot));
+        }
         draft.changes += ops.len();
         self.draft = Some(draft);
         ops
@@ -760,6 +794,7 @@ impl Scheduler {
         let mut draft = self.draft.take().expect("plan_store ran");
         let mut step = EngineStep {
             evictions: std::mem::take(&mut draft.freed),
+            promotions: Vec::new(),
             restores: Vec::new(),
             forks: draft
                 .fork_copies
@@ -833,6 +868,23 @@ impl Scheduler {
         reply: StoreReply,
     ) {
         match (purpose, reply) {
+            (
+                StorePurpose::Promote(_),
+                StoreReply::Promotion(Ok(PromotionStart::Started {
+                    promotion,
+                    evictions,
+                })),
+            ) => {
+                self.demotions_in_flight +=
+                    1 + evictions.iter().filter(|e| e.demoted_to.is_some()).count();
+                step.evictions.extend(evictions);
+                step.promotions.push(promotion);
+            }
+            (StorePurpose::Promote(_), StoreReply::Promotion(Ok(PromotionStart::InFlight))) => {}
+            (StorePurpose::Promote(snapshot), StoreReply::Promotion(Err(e))) => {
+                tracing::warn!("{snapshot} stays on disk, prefilling instead: {e}");
+                self.stop_awaiting(snapshot, false);
+            }
             (StorePurpose::Restore(index), StoreReply::Restore(Ok(plan))) => {
                 step.restores.push(RestoreCopy {
                     backing: plan.backing,
@@ -934,6 +986,7 @@ impl Scheduler {
     pub fn finish_step(&mut self, reply: Option<EngineStepReply>, now: Instant) -> StepOutcome {
         let mut draft = self.draft.take().expect("plan_engine ran");
         self.stats.steps += 1;
+        self.next_poll = now + super::DEMOTION_POLL;
         let did_work = draft.changes > 0 || reply.is_some();
         let mut ended: Vec<(usize, End)> = Vec::new();
         if let Some(reply) = reply {
@@ -1018,6 +1071,30 @@ impl Scheduler {
             self.demotions_in_flight
                 .saturating_sub(reply.demotions.len())
         };
+        for &tier in &reply.corrupt_found {
+            self.stats.corrupt_restores[tier_slot(tier)] += 1;
+        }
+        self.demotions_in_flight = self
+            .demotions_in_flight
+            .saturating_sub(reply.promotions.len());
+        for (snapshot, result) in reply.promotions {
+            match result {
+                Ok(()) => {
+                    self.follow_ups
+                        .push(StoreFollowUp::CommitPromotion(snapshot));
+                    self.stop_awaiting(snapshot, true);
+                }
+                Err(fault) => {
+                    tracing::warn!("reading {snapshot} back from disk: {fault}");
+                    if matches!(fault, RestoreFault::Corrupt { .. }) {
+                        self.stats.corrupt_restores[tier_slot(Tier::Disk)] += 1;
+                    }
+                    self.follow_ups
+                        .push(StoreFollowUp::AbortPromotion(snapshot));
+                    self.stop_awaiting(snapshot, false);
+                }
+            }
+        }
         for (snapshot, moved) in reply.demotions {
             self.follow_ups.push(if moved {
                 StoreFollowUp::CommitDemotion(snapshot)
@@ -1123,6 +1200,19 @@ impl Scheduler {
 
     /// The shared rule ([`engine::stop::finish_after`]); `max_new` was clipped to the room
     /// left under the sequence limit at submission.
+    /// The queued jobs waiting for `snapshot` to be read back from disk go on: to restore it
+    /// (`landed`) or to compute their prompt.
+    fn stop_awaiting(&mut self, snapshot: SnapshotId, landed: bool) {
+        for job in self
+            .queue
+            .iter_mut()
+            .filter(|j| j.awaiting == Some(snapshot))
+        {
+            job.awaiting = None;
+            job.skip_disk |= !landed;
+        }
+    }
+
     /// A job whose restored or forked KV was refused: it computes its prompt from the start
     /// in the pages it holds, and reports no cached tokens.
     fn recompute(&mut self, index: usize) {
@@ -1257,6 +1347,7 @@ pub(crate) fn tier_slot(tier: Tier) -> usize {
     match tier {
         Tier::Device => 0,
         Tier::Host => 1,
+        Tier::Disk => 2,
     }
 }
 

@@ -61,8 +61,12 @@ pub enum SnapshotState {
     Saving,
     /// Published: findable, restorable, evictable when unpinned.
     Ready,
-    /// Charged to the host tier, its copy from the device tier in flight; not findable.
+    /// Charged to a lower tier, its copy from the tier above in flight; findable and restored
+    /// from the copy it leaves.
     Demoting,
+    /// Charged to a memory tier, its file being read back from the disk tier; found (so the
+    /// requests that want it wait for it), not restorable yet.
+    Promoting,
 }
 
 /// What the store knows of one snapshot.
@@ -163,8 +167,11 @@ pub struct Eviction {
     pub from: Tier,
     pub backing: BackingId,
     pub bytes: u64,
-    /// The host-tier buffer the snapshot moves to, if it was demoted rather than dropped.
+    /// The buffer the snapshot moves to, if it was demoted rather than dropped.
     pub demoted_to: Option<BackingId>,
+    /// The tier of `demoted_to`: the host's after the device, the disk's after the last
+    /// memory tier.
+    pub demoted_tier: Tier,
 }
 
 /// The answer to `begin_save`.
@@ -213,11 +220,56 @@ impl RestorePlan {
     }
 }
 
+/// The answer to [`SnapshotStore::begin_promotion`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromotionStart {
+    /// Charged: read `promotion.from` into `promotion.to`, then commit or abort. `evictions`
+    /// made the room.
+    Started {
+        promotion: Promotion,
+        evictions: Vec<Eviction>,
+    },
+    /// Already being read back.
+    InFlight,
+}
+
+/// A disk snapshot to read back into memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Promotion {
+    pub snapshot: SnapshotId,
+    /// Its disk file.
+    pub from: BackingId,
+    /// The memory buffer to allocate and fill.
+    pub to: BackingId,
+    pub tier: Tier,
+    pub bytes: u64,
+}
+
+/// A snapshot to write to the disk tier at shutdown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlushCopy {
+    pub snapshot: SnapshotId,
+    pub from: BackingId,
+    pub from_tier: Tier,
+    /// The disk file's backing id.
+    pub to: BackingId,
+    pub kept: bool,
+}
+
+/// What [`SnapshotStore::plan_flush`] decided.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FlushPlan {
+    pub copies: Vec<FlushCopy>,
+    /// Older files evicted to make room.
+    pub deletions: Vec<Eviction>,
+}
+
 /// The store's counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoreStats {
     pub device: TierStats,
     pub host: TierStats,
+    pub disk: TierStats,
     pub hits: u64,
     pub misses: u64,
     /// Snapshots that left a tier to make room, demoted ones included.
@@ -230,6 +282,8 @@ pub struct StoreStats {
     pub saves_skipped: u64,
     /// Snapshots dropped because a restore found their bytes or frame corrupt.
     pub corrupt: u64,
+    /// Snapshots read back from the disk tier into memory (started).
+    pub promotions: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -240,9 +294,14 @@ enum State {
         boundaries: Box<[PrefixHash]>,
     },
     Ready,
-    /// Charged to the host tier, its bytes still also in `from`, the device backing a restore
-    /// reads until the copy lands.
+    /// Charged to a lower tier, its bytes still also in `from` (of `from_tier`), the backing a
+    /// restore reads until the copy lands.
     Demoting {
+        from: BackingId,
+        from_tier: Tier,
+    },
+    /// Charged to a memory tier, its bytes still only in `from`, its disk file, being read.
+    Promoting {
         from: BackingId,
     },
 }
@@ -267,15 +326,22 @@ struct Snapshot {
 }
 
 impl Snapshot {
-    /// Published, whether or not on its way to the host tier, and not found corrupt.
-    fn restorable(&self) -> bool {
-        matches!(self.state, State::Ready | State::Demoting { .. }) && !self.corrupt
+    /// Published (whether or not on its way to another tier) and not found corrupt: a lookup
+    /// finds it.
+    fn findable(&self) -> bool {
+        !matches!(self.state, State::Saving { .. }) && !self.corrupt
     }
 
-    /// The backing a restore reads, and its tier.
+    /// Findable and in memory: a restore can read it.
+    fn restorable(&self) -> bool {
+        self.findable() && self.source().1 != Tier::Disk
+    }
+
+    /// The backing a restore (or a promotion) reads, and its tier.
     fn source(&self) -> (BackingId, Tier) {
         match self.state {
-            State::Demoting { from } => (from, Tier::Device),
+            State::Demoting { from, from_tier } => (from, from_tier),
+            State::Promoting { from } => (from, Tier::Disk),
             _ => (self.backing, self.tier),
         }
     }
@@ -285,6 +351,7 @@ impl Snapshot {
             State::Saving { .. } => SnapshotState::Saving,
             State::Ready => SnapshotState::Ready,
             State::Demoting { .. } => SnapshotState::Demoting,
+            State::Promoting { .. } => SnapshotState::Promoting,
         }
     }
 }
@@ -298,7 +365,9 @@ const MAX_HEAD_CANDIDATES: usize = 64;
 pub struct SnapshotStore {
     geometry: SnapshotGeometry,
     demote_to_host: bool,
-    tiers: [TierState; 2],
+    /// Whether snapshots evicted from the last memory tier are written to the disk tier.
+    demote_to_disk: bool,
+    tiers: [TierState; 3],
     snapshots: U64Map<SnapshotId, Snapshot>,
     index: PrefixIndex,
     sightings: Sightings,
@@ -323,6 +392,7 @@ struct Counters {
     saves_aborted: u64,
     saves_skipped: u64,
     corrupt: u64,
+    promotions: u64,
 }
 
 impl SnapshotStore {
@@ -330,6 +400,7 @@ impl SnapshotStore {
         SnapshotStore {
             geometry,
             demote_to_host: policy.demote_to_host(),
+            demote_to_disk: policy.demote_to_disk(),
             tiers: [
                 TierState::new(
                     Tier::Device,
@@ -337,6 +408,7 @@ impl SnapshotStore {
                     policy.eviction(),
                 ),
                 TierState::new(Tier::Host, policy.host_budget_bytes(), policy.eviction()),
+                TierState::new(Tier::Disk, policy.disk_budget_bytes(), policy.eviction()),
             ],
             snapshots: U64Map::default(),
             index: PrefixIndex::default(),
@@ -430,8 +502,8 @@ impl SnapshotStore {
                 let tier = snapshot.tier;
                 self.tier_mut(tier).order.touch(&id, now);
             }
-            // Joins the host tier's order with this recency when its copy lands.
-            State::Demoting { .. } => snapshot.last_use = now,
+            // Joins its new tier's order with this recency when its copy lands.
+            State::Demoting { .. } | State::Promoting { .. } => snapshot.last_use = now,
             State::Saving { .. } => {}
         }
     }
@@ -456,10 +528,10 @@ impl SnapshotStore {
             (victim.pins == 0 && !victim.kept).then_some(victim.bytes)
         });
         let victims = planned.inspect_err(|_| self.counters.refusals += 1)?;
-        let evictions = victims
-            .into_iter()
-            .map(|victim| self.evict(victim))
-            .collect();
+        let mut evictions = Vec::new();
+        for victim in victims {
+            self.evict(victim, &mut evictions);
+        }
         let reservation = self.reserve(chain, tier, bytes);
         Ok(SaveStart::Reserved {
             reservation,
@@ -529,43 +601,79 @@ impl SnapshotStore {
         BackingId(self.next_backing)
     }
 
-    /// Takes `id` out of its tier: demoted to the host tier when the policy allows and the host
-    /// has room without evicting, dropped otherwise.
-    fn evict(&mut self, id: SnapshotId) -> Eviction {
+    /// Takes `id` out of its tier: demoted to the next tier when the policy allows and it fits
+    /// there, dropped otherwise. The device demotes to the host when the host has room without
+    /// evicting (or, with a disk tier, by sending the host's own victims on to disk); the last
+    /// memory tier demotes to the disk, whose least recent files make room.
+    fn evict(&mut self, id: SnapshotId, evictions: &mut Vec<Eviction>) {
         let snapshot = &self.snapshots[&id];
         let (from, backing, bytes) = (snapshot.tier, snapshot.backing, snapshot.bytes);
         let tier = self.tier_mut(from);
         tier.order.remove(&id);
         tier.refund(bytes);
         self.counters.evictions += 1;
-        let demote = from == Tier::Device
-            && self.demote_to_host
-            && self.tier(Tier::Host).room_bytes() >= bytes;
-        let demoted_to = if demote {
-            Some(self.demote(id))
-        } else {
-            self.forget(id);
-            None
+        let target = self.demotion_target(from, bytes);
+        // The room's own evictions come first: the engine frees or moves them before it fills
+        // this one's new buffer.
+        let demoted_to = target.filter(|&to| self.make_room(to, bytes, evictions));
+        let demoted_to = match demoted_to {
+            Some(to) => Some((self.demote(id, to), to)),
+            None => {
+                self.forget(id);
+                None
+            }
         };
-        Eviction {
+        evictions.push(Eviction {
             snapshot: id,
             from,
             backing,
             bytes,
-            demoted_to,
+            demoted_to: demoted_to.map(|(b, _)| b),
+            demoted_tier: demoted_to.map_or(from, |(_, t)| t),
+        });
+    }
+
+    /// The tier a snapshot evicted from `from` moves to, if the policy moves it.
+    fn demotion_target(&self, from: Tier, bytes: u64) -> Option<Tier> {
+        match from {
+            Tier::Device if self.demote_to_host => {
+                let fits = self.tier(Tier::Host).room_bytes() >= bytes;
+                (fits || self.demote_to_disk).then_some(Tier::Host)
+            }
+            Tier::Device | Tier::Host if self.demote_to_disk => Some(Tier::Disk),
+            _ => None,
         }
     }
 
-    /// Moves an evicted device snapshot to the host tier; until its copy lands it is restored
-    /// from its device backing.
-    fn demote(&mut self, id: SnapshotId) -> BackingId {
+    /// Evicts from `tier` (moving victims further down where the policy allows) until `bytes`
+    /// fit; false, having evicted nothing, when they cannot.
+    fn make_room(&mut self, tier: Tier, bytes: u64, evictions: &mut Vec<Eviction>) -> bool {
+        let snapshots = &self.snapshots;
+        let victims = self.tier(tier).plan_room(bytes, |id| {
+            let victim = &snapshots[&id];
+            (victim.pins == 0 && !victim.kept).then_some(victim.bytes)
+        });
+        match victims {
+            Ok(victims) => {
+                for victim in victims {
+                    self.evict(victim, evictions);
+                }
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Moves an evicted snapshot to `to`; until its copy lands it is restored from where it
+    /// was.
+    fn demote(&mut self, id: SnapshotId, to: Tier) -> BackingId {
         let backing = self.new_backing();
         let snapshot = self.snapshots.get_mut(&id).expect("a victim is stored");
-        snapshot.tier = Tier::Host;
+        let from_tier = mem::replace(&mut snapshot.tier, to);
         let from = mem::replace(&mut snapshot.backing, backing);
-        snapshot.state = State::Demoting { from };
+        snapshot.state = State::Demoting { from, from_tier };
         let bytes = snapshot.bytes;
-        self.tier_mut(Tier::Host).charge(bytes);
+        self.tier_mut(to).charge(bytes);
         self.counters.demotions += 1;
         backing
     }
@@ -578,10 +686,9 @@ impl SnapshotStore {
             .expect("only stored snapshots are forgotten");
         match snapshot.state {
             State::Saving { .. } => self.index.unclaim(snapshot.end),
-            State::Ready | State::Demoting { .. } => {
-                self.index
-                    .unpublish(snapshot.chain[0], snapshot.end, snapshot.pages)
-            }
+            State::Ready | State::Demoting { .. } | State::Promoting { .. } => self
+                .index
+                .unpublish(snapshot.chain[0], snapshot.end, snapshot.pages),
         }
         snapshot
     }
@@ -622,23 +729,33 @@ impl SnapshotStore {
     /// new buffer handed back to be freed.
     pub fn commit_demotion(&mut self, id: SnapshotId) -> Result<Vec<Eviction>, CacheError> {
         let snapshot = self.snapshot_in(id, SnapshotState::Demoting)?;
+        let tier = snapshot.tier;
         if snapshot.corrupt {
             let (backing, bytes) = (snapshot.backing, snapshot.bytes);
             self.forget(id);
-            self.tier_mut(Tier::Host).refund(bytes);
+            self.tier_mut(tier).refund(bytes);
             return Ok(vec![Eviction {
                 snapshot: id,
-                from: Tier::Host,
+                from: tier,
                 backing,
                 bytes,
                 demoted_to: None,
+                demoted_tier: tier,
             }]);
         }
         snapshot.state = State::Ready;
         let last_use = snapshot.last_use;
         // Found while demoting, it was used since: its last use counts.
-        self.tier_mut(Tier::Host).order.insert(id, last_use);
+        self.tier_mut(tier).order.insert(id, last_use);
         Ok(Vec::new())
+    }
+
+    /// A demotion's copy failed: the snapshot is gone and its new tier's charge refunded.
+    pub fn abort_demotion(&mut self, id: SnapshotId) -> Result<(), CacheError> {
+        self.snapshot_in(id, SnapshotState::Demoting)?;
+        let snapshot = self.forget(id);
+        self.tier_mut(snapshot.tier).refund(snapshot.bytes);
+        Ok(())
     }
 
     /// A restore of `id` read bytes whose checksum or frame did not match: the snapshot is
@@ -667,9 +784,10 @@ impl SnapshotStore {
                     backing,
                     bytes,
                     demoted_to: None,
+                    demoted_tier: tier,
                 }])
             }
-            State::Demoting { .. } => {
+            State::Demoting { .. } | State::Promoting { .. } => {
                 if !snapshot.corrupt {
                     snapshot.corrupt = true;
                     self.counters.corrupt += 1;
@@ -684,14 +802,6 @@ impl SnapshotStore {
         }
     }
 
-    /// A demotion's copy failed: the snapshot is gone and its host charge refunded.
-    pub fn abort_demotion(&mut self, id: SnapshotId) -> Result<(), CacheError> {
-        self.snapshot_in(id, SnapshotState::Demoting)?;
-        let snapshot = self.forget(id);
-        self.tier_mut(Tier::Host).refund(snapshot.bytes);
-        Ok(())
-    }
-
     /// The published snapshot covering the longest prefix of `chain`: a whole snapshot, or the
     /// head of a longer one (see the module's promises). A hit is a use.
     /// The lookup is also a sighting of `chain` for the save policy.
@@ -702,7 +812,7 @@ impl SnapshotStore {
         let snapshots = &self.snapshots;
         let whole = self.index.longest(chain, |id, pages| {
             let snapshot = &snapshots[&id];
-            snapshot.restorable() && snapshot.pages == pages
+            snapshot.findable() && snapshot.pages == pages
         });
         let mut best = whole.map(|id| (id, snapshots[&id].pages));
         // A head of a snapshot with fixed per-sequence state would restore state of the
@@ -719,7 +829,7 @@ impl SnapshotStore {
             let mut head: Option<(SnapshotId, usize)> = None;
             for &id in via.iter().take(MAX_HEAD_CANDIDATES) {
                 let snapshot = &snapshots[&id];
-                if !snapshot.restorable() {
+                if !snapshot.findable() {
                     continue;
                 }
                 let more = chain[start..]
@@ -766,6 +876,9 @@ impl SnapshotStore {
         page_table: &[PageId],
     ) -> Result<RestorePlan, CacheError> {
         let geometry = self.geometry;
+        if self.snapshot(id)?.findable() && self.snapshot(id)?.source().1 == Tier::Disk {
+            return Err(CacheError::OnDisk { snapshot: id });
+        }
         let snapshot = self.restorable(id)?;
         let partial = pages < snapshot.pages;
         if pages == 0 || pages > snapshot.pages || (partial && geometry.fixed_state_bytes > 0) {
@@ -822,6 +935,179 @@ impl SnapshotStore {
         Ok(snapshot.backing)
     }
 
+    /// Starts reading a disk snapshot back into memory (the host tier where it has a budget,
+    /// else the device's): charges it there, making room as a save does, and names the new
+    /// buffer. Until [`SnapshotStore::commit_promotion`] it is found but not restorable, so
+    /// requests wait for it. One already on its way answers `InFlight`.
+    pub fn begin_promotion(&mut self, id: SnapshotId) -> Result<PromotionStart, CacheError> {
+        let snapshot = self.snapshot(id)?;
+        match (snapshot.state.clone(), snapshot.tier) {
+            (State::Promoting { .. }, _) => return Ok(PromotionStart::InFlight),
+            (State::Ready, Tier::Disk) if !snapshot.corrupt => {}
+            _ => {
+                return Err(CacheError::WrongState {
+                    snapshot: id,
+                    expected: SnapshotState::Ready,
+                    found: snapshot.public_state(),
+                });
+            }
+        }
+        let (from, bytes) = (snapshot.backing, snapshot.bytes);
+        let to_tier = if self.tier(Tier::Host).budget_bytes() > 0 {
+            Tier::Host
+        } else {
+            Tier::Device
+        };
+        // Not a victim of the room it needs.
+        let disk = self.tier_mut(Tier::Disk);
+        disk.order.remove(&id);
+        let planned = {
+            let snapshots = &self.snapshots;
+            self.tier(to_tier).plan_room(bytes, |victim| {
+                let victim = &snapshots[&victim];
+                (victim.pins == 0 && !victim.kept).then_some(victim.bytes)
+            })
+        };
+        let victims = match planned {
+            Ok(victims) => victims,
+            Err(e) => {
+                let last_use = self.snapshots[&id].last_use;
+                self.tier_mut(Tier::Disk).order.insert(id, last_use);
+                self.counters.refusals += 1;
+                return Err(e);
+            }
+        };
+        let mut evictions = Vec::new();
+        for victim in victims {
+            self.evict(victim, &mut evictions);
+        }
+        let to = self.new_backing();
+        self.tier_mut(to_tier).charge(bytes);
+        let snapshot = self.snapshots.get_mut(&id).expect("checked above");
+        snapshot.tier = to_tier;
+        snapshot.backing = to;
+        snapshot.state = State::Promoting { from };
+        self.counters.promotions += 1;
+        Ok(PromotionStart::Started {
+            promotion: Promotion {
+                snapshot: id,
+                from,
+                to,
+                tier: to_tier,
+                bytes,
+            },
+            evictions,
+        })
+    }
+
+    /// A promotion's read landed, checked: the snapshot is restorable from memory, and its disk
+    /// file (handed back) is to be deleted, its charge refunded.
+    pub fn commit_promotion(&mut self, id: SnapshotId) -> Result<Vec<Eviction>, CacheError> {
+        let snapshot = self.snapshot_in(id, SnapshotState::Promoting)?;
+        let State::Promoting { from } = snapshot.state else {
+            unreachable!("snapshot_in checked the state");
+        };
+        snapshot.state = State::Ready;
+        let (tier, bytes, last_use) = (snapshot.tier, snapshot.bytes, snapshot.last_use);
+        self.tier_mut(tier).order.insert(id, last_use);
+        self.tier_mut(Tier::Disk).refund(bytes);
+        Ok(vec![Eviction {
+            snapshot: id,
+            from: Tier::Disk,
+            backing: from,
+            bytes,
+            demoted_to: None,
+            demoted_tier: Tier::Disk,
+        }])
+    }
+
+    /// A promotion failed (the file was unreadable or corrupt): the snapshot is gone, both
+    /// charges refunded, and its file handed back to be deleted. The engine frees the memory
+    /// buffer it had allocated.
+    pub fn abort_promotion(&mut self, id: SnapshotId) -> Result<Vec<Eviction>, CacheError> {
+        let snapshot = self.snapshot_in(id, SnapshotState::Promoting)?;
+        let State::Promoting { from } = snapshot.state else {
+            unreachable!("snapshot_in checked the state");
+        };
+        let snapshot = self.forget(id);
+        self.tier_mut(snapshot.tier).refund(snapshot.bytes);
+        self.tier_mut(Tier::Disk).refund(snapshot.bytes);
+        Ok(vec![Eviction {
+            snapshot: id,
+            from: Tier::Disk,
+            backing: from,
+            bytes: snapshot.bytes,
+            demoted_to: None,
+            demoted_tier: Tier::Disk,
+        }])
+    }
+
+    /// Registers a snapshot found in the disk tier at start-up, published and ready to be
+    /// promoted; call in order of last use, oldest first. Refused when the disk budget cannot
+    /// hold it beside those adopted before.
+    pub fn adopt_disk(
+        &mut self,
+        chain: &[PrefixHash],
+        kept: bool,
+    ) -> Result<(SnapshotId, BackingId), CacheError> {
+        let end = *chain.last().ok_or(CacheError::EmptyPrefix)?;
+        if let Some(existing) = self.index.ending_at(end) {
+            return Err(CacheError::WrongState {
+                snapshot: existing,
+                expected: SnapshotState::Ready,
+                found: SnapshotState::Ready,
+            });
+        }
+        let bytes = self.geometry.bytes_for_pages(chain.len());
+        if bytes > self.tier(Tier::Disk).room_bytes() {
+            let disk = self.tier(Tier::Disk);
+            return Err(CacheError::OverBudget {
+                tier: Tier::Disk,
+                needed_bytes: bytes,
+                reclaimable_bytes: disk.room_bytes(),
+            });
+        }
+        let reservation = self.reserve(chain, Tier::Disk, bytes);
+        let (id, backing) = (reservation.snapshot, reservation.backing);
+        self.commit_save(reservation)?;
+        self.counters.saves_committed -= 1;
+        self.snapshots.get_mut(&id).expect("just saved").kept = kept;
+        Ok((id, backing))
+    }
+
+    /// What a clean shutdown writes to the disk tier: the snapshots in memory, most recently
+    /// used first, each charged to the disk (older files evicted to make room) as long as one
+    /// fits. The records are not changed otherwise: the process is ending.
+    pub fn plan_flush(&mut self) -> FlushPlan {
+        let mut candidates: Vec<(u64, SnapshotId)> = self
+            .snapshots
+            .iter()
+            .filter(|(_, s)| matches!(s.state, State::Ready) && s.tier != Tier::Disk && !s.corrupt)
+            .map(|(&id, s)| (s.last_use, id))
+            .collect();
+        candidates.sort_unstable_by(|a, b| b.cmp(a));
+        let mut plan = FlushPlan::default();
+        for (_, id) in candidates {
+            let bytes = self.snapshots[&id].bytes;
+            let mut evictions = Vec::new();
+            if !self.make_room(Tier::Disk, bytes, &mut evictions) {
+                break;
+            }
+            plan.deletions.extend(evictions);
+            self.tier_mut(Tier::Disk).charge(bytes);
+            let to = self.new_backing();
+            let snapshot = &self.snapshots[&id];
+            plan.copies.push(FlushCopy {
+                snapshot: id,
+                from: snapshot.backing,
+                from_tier: snapshot.tier,
+                to,
+                kept: snapshot.kept,
+            });
+        }
+        plan
+    }
+
     /// What the store knows of snapshot `id`.
     pub fn info(&self, id: SnapshotId) -> Result<SnapshotInfo, CacheError> {
         let snapshot = self.snapshot(id)?;
@@ -834,7 +1120,7 @@ impl SnapshotStore {
             backing: snapshot.backing,
             state: snapshot.public_state(),
             demoting_from: match snapshot.state {
-                State::Demoting { from } => Some(from),
+                State::Demoting { from, .. } => Some(from),
                 _ => None,
             },
             pins: snapshot.pins,
@@ -887,14 +1173,16 @@ impl SnapshotStore {
         let mut tiers = [
             self.tier(Tier::Device).stats(),
             self.tier(Tier::Host).stats(),
+            self.tier(Tier::Disk).stats(),
         ];
         for snapshot in self.snapshots.values().filter(|s| s.kept) {
             tiers[snapshot.tier.index()].kept_bytes += snapshot.bytes;
         }
-        let [device, host] = tiers;
+        let [device, host, disk] = tiers;
         StoreStats {
             device,
             host,
+            disk,
             hits: c.hits,
             misses: c.misses,
             evictions: c.evictions,
@@ -904,6 +1192,7 @@ impl SnapshotStore {
             saves_aborted: c.saves_aborted,
             saves_skipped: c.saves_skipped,
             corrupt: c.corrupt,
+            promotions: c.promotions,
         }
     }
 }

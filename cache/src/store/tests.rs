@@ -315,7 +315,8 @@ fn an_evicted_device_snapshot_is_demoted_when_the_host_has_room() {
             from: Tier::Device,
             backing: BackingId(1),
             bytes: 10,
-            demoted_to: Some(to)
+            demoted_to: Some(to),
+            demoted_tier: Tier::Host,
         }]
     );
     assert_eq!(state(&store, a), Some(SnapshotState::Demoting));
@@ -404,7 +405,8 @@ fn a_corrupt_snapshot_is_dropped_once_unpinned_kept_or_not() {
             from: Tier::Device,
             backing: plan.backing,
             bytes: 20,
-            demoted_to: None
+            demoted_to: None,
+            demoted_tier: Tier::Device,
         }]
     );
     assert_eq!(state(&store, a), None);
@@ -752,4 +754,117 @@ fn a_kept_snapshot_is_never_evicted_and_a_save_needing_its_room_is_refused() {
     store.discard(kept).unwrap();
     assert_eq!(store.stats().device.kept_bytes, 10);
     assert_eq!(store.stats().device.charged_bytes, 10);
+}
+
+/// A device tier of 50 bytes, a host tier of `host` and a disk tier of `disk` bytes.
+fn disk_store(host: u64, disk: u64) -> SnapshotStore {
+    let config = SnapshotConfig {
+        device_budget_bytes: 50,
+        host_budget_bytes: host,
+        demote_to_host: host > 0,
+        disk_dir: Some("/nowhere".into()),
+        disk_budget_bytes: disk,
+        ..Default::default()
+    };
+    SnapshotStore::new(geometry(0), &config.validate().unwrap())
+}
+
+#[test]
+fn evictions_flow_device_to_host_to_disk_and_the_disk_drops_its_oldest() {
+    let mut store = disk_store(20, 20);
+    let [a, b, c, d, e] = [1, 2, 3, 4, 5].map(|page| save(&mut store, &[page]).0);
+    // a and b go to the host.
+    for page in [10, 11] {
+        let (reservation, evictions) = reserve(&mut store, &[page], Tier::Device);
+        for eviction in &evictions {
+            assert_eq!(eviction.demoted_tier, Tier::Host);
+            store.commit_demotion(eviction.snapshot).unwrap();
+        }
+        store.commit_save(reservation).unwrap();
+    }
+    assert_eq!(store.eviction_order(Tier::Host), vec![a, b]);
+    // c needs the host's room: a moves on to disk first, then c takes its place.
+    let (_, evictions) = reserve(&mut store, &[20], Tier::Device);
+    let moves: Vec<_> = evictions
+        .iter()
+        .map(|e| (e.snapshot, e.from, e.demoted_tier))
+        .collect();
+    assert_eq!(
+        moves,
+        vec![(a, Tier::Host, Tier::Disk), (c, Tier::Device, Tier::Host)]
+    );
+    // Still found, and restored from the host while its file is written.
+    let found = store.lookup_longest(&chain(&[1])).unwrap();
+    assert_eq!((found.snapshot, found.tier), (a, Tier::Host));
+    store.commit_demotion(a).unwrap();
+    store.commit_demotion(c).unwrap();
+    let found = store.lookup_longest(&chain(&[1])).unwrap();
+    assert_eq!((found.snapshot, found.tier), (a, Tier::Disk));
+    assert!(matches!(
+        store.begin_restore(a, 1, &[PageId(0)]),
+        Err(CacheError::OnDisk { .. })
+    ));
+    let _ = (d, e);
+    assert_eq!(store.stats().disk.charged_bytes, 10);
+}
+
+#[test]
+fn a_promotion_reads_a_disk_snapshot_back_and_frees_its_file() {
+    let mut store = disk_store(20, 100);
+    let (a, backing) = store.adopt_disk(&chain(&[1, 2]), false).unwrap();
+    assert_eq!(store.stats().disk.charged_bytes, 20);
+    let hit = store.lookup_longest(&chain(&[1, 2, 3])).unwrap();
+    assert_eq!((hit.snapshot, hit.tier, hit.pages), (a, Tier::Disk, 2));
+    let PromotionStart::Started {
+        promotion,
+        evictions,
+    } = store.begin_promotion(a).unwrap()
+    else {
+        panic!("not in flight yet")
+    };
+    assert!(evictions.is_empty());
+    assert_eq!(
+        (promotion.from, promotion.tier, promotion.bytes),
+        (backing, Tier::Host, 20)
+    );
+    assert_eq!(store.begin_promotion(a).unwrap(), PromotionStart::InFlight);
+    // Found while promoting (so requests wait), not restorable.
+    assert_eq!(
+        store.lookup_longest(&chain(&[1, 2])).unwrap().tier,
+        Tier::Disk
+    );
+    let freed = store.commit_promotion(a).unwrap();
+    assert_eq!(freed[0].backing, backing, "its file is deleted");
+    let stats = store.stats();
+    assert_eq!(
+        (stats.disk.charged_bytes, stats.host.charged_bytes),
+        (0, 20)
+    );
+    let plan = store.begin_restore(a, 2, &[PageId(4), PageId(5)]).unwrap();
+    assert_eq!((plan.backing, plan.tier), (promotion.to, Tier::Host));
+}
+
+#[test]
+fn a_failed_promotion_forgets_the_snapshot_and_its_file() {
+    let mut store = disk_store(20, 100);
+    let (a, backing) = store.adopt_disk(&chain(&[1]), true).unwrap();
+    let PromotionStart::Started { .. } = store.begin_promotion(a).unwrap() else {
+        panic!("started")
+    };
+    let freed = store.abort_promotion(a).unwrap();
+    assert_eq!(freed[0].backing, backing);
+    assert_eq!(state(&store, a), None);
+    let stats = store.stats();
+    assert_eq!((stats.disk.charged_bytes, stats.host.charged_bytes), (0, 0));
+}
+
+#[test]
+fn a_flush_plans_memory_snapshots_newest_first_within_the_disk_budget() {
+    let mut store = disk_store(0, 20);
+    let [a, b, c] = [1, 2, 3].map(|page| save(&mut store, &[page]).0);
+    hit(&mut store, &[1]);
+    let plan = store.plan_flush();
+    let order: Vec<_> = plan.copies.iter().map(|c| c.snapshot).collect();
+    assert_eq!(order, vec![a, c], "a was used last, then c; b does not fit");
+    let _ = b;
 }

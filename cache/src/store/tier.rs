@@ -18,6 +18,9 @@ pub enum Tier {
     Device,
     /// Host memory (pinned where the backend can): slower restores, usually a bigger budget.
     Host,
+    /// Files in a directory: kept across restarts; read back into memory (promoted) before a
+    /// restore.
+    Disk,
 }
 
 impl Tier {
@@ -25,6 +28,7 @@ impl Tier {
         match self {
             Tier::Device => 0,
             Tier::Host => 1,
+            Tier::Disk => 2,
         }
     }
 }
@@ -34,6 +38,7 @@ impl fmt::Display for Tier {
         f.write_str(match self {
             Tier::Device => "device",
             Tier::Host => "host",
+            Tier::Disk => "disk",
         })
     }
 }
@@ -68,6 +73,10 @@ impl TierState {
             snapshots: 0,
             order: eviction.build(),
         }
+    }
+
+    pub(crate) fn budget_bytes(&self) -> u64 {
+        self.budget_bytes
     }
 
     /// Bytes that can be charged without evicting anything.

@@ -230,6 +230,12 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_backing(&mut self, backing: BackingId, tier: Tier, bytes: u64) -> Result<()> {
+        if tier == Tier::Disk {
+            return Err(EngineError::Backing(
+                backing.to_string(),
+                "the disk tier holds files, not memory the backend allocates".into(),
+            ));
+        }
         if self.backings.contains_key(&backing) {
             return Err(EngineError::Backing(
                 backing.to_string(),

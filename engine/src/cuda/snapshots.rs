@@ -54,6 +54,7 @@ impl Memory {
         Ok(match tier {
             Tier::Device => Memory::Device(DeviceBuffer::alloc(device, bytes, &what)?),
             Tier::Host => Memory::Host(PinnedBuffer::alloc(device, bytes, &what)?),
+            Tier::Disk => return Err(disk_is_not_memory()),
         })
     }
 
@@ -211,6 +212,7 @@ fn tier_name(tier: Tier) -> &'static str {
     match tier {
         Tier::Device => "device",
         Tier::Host => "host",
+        Tier::Disk => "disk",
     }
 }
 
@@ -235,6 +237,9 @@ struct Arena {
     fixed: bool,
     /// Pages of a host arena still being pinned (its only chunk) already handed to `free`.
     adopted: usize,
+    /// Pages per registration of a pinned host arena (a copy may not span two); `usize::MAX`
+    /// for memory allocated whole.
+    run_break: usize,
 }
 
 impl Arena {
@@ -254,6 +259,7 @@ impl Arena {
             chunks: Vec::new(),
             fixed: false,
             adopted: 0,
+            run_break: usize::MAX,
         };
         let pages = usize::try_from(bytes).unwrap_or(usize::MAX) / page_bytes;
         if pages == 0 {
@@ -263,8 +269,9 @@ impl Arena {
         match tier {
             Tier::Device => arena.grow(device, pages)?,
             Tier::Host => {
-                let memory =
-                    Memory::Registered(HostArena::new(device, pages * page_bytes, page_bytes)?);
+                let host = HostArena::new(device, pages * page_bytes, page_bytes)?;
+                arena.run_break = host.step_bytes / page_bytes;
+                let memory = Memory::Registered(host);
                 let sums = arena.sums_for(device, pages)?;
                 arena.chunks.push(Chunk {
                     memory,
@@ -273,6 +280,7 @@ impl Arena {
                 });
                 arena.adopt_pinned();
             }
+            Tier::Disk => return Err(disk_is_not_memory()),
         }
         Ok(arena)
     }
@@ -339,12 +347,16 @@ impl Arena {
             }
         };
         let free = &mut self.chunks[chunk].free;
-        let taken = free.split_off(free.len() - pages);
+        let mut taken = free.split_off(free.len() - pages);
+        // The free list hands out its lowest pages last-in first: in ascending order a fresh
+        // arena's pages are contiguous, so copies and disk reads move long runs.
+        taken.reverse();
         Ok(Some((chunk, taken)))
     }
 
     fn give(&mut self, chunk: usize, pages: Vec<u32>) {
-        self.chunks[chunk].free.extend(pages);
+        // Back in the order `take` reverses.
+        self.chunks[chunk].free.extend(pages.into_iter().rev());
     }
 
     fn free_pages(&self) -> usize {
@@ -470,6 +482,9 @@ impl Backings {
     }
 
     pub fn alloc(&mut self, id: BackingId, tier: Tier, bytes: u64) -> Result<()> {
+        if tier == Tier::Disk {
+            return Err(disk_is_not_memory());
+        }
         if self.map.contains_key(&id) {
             return Err(EngineError::Backing(
                 id.to_string(),
@@ -610,9 +625,21 @@ impl Backings {
                 ),
             ));
         }
-        for (&page, page_sums) in backing.pages.iter().zip(sums.chunks_exact(blocks)) {
-            self.device
-                .upload(page_sums, arena.sums_ptr(backing.chunk, page))?;
+        // One upload per run of consecutive pages (a fresh arena's backing is one run): each
+        // upload from pageable memory costs the driver a staging round trip.
+        let mut start = 0;
+        while start < backing.pages.len() {
+            let first = backing.pages[start];
+            let len = backing.pages[start..]
+                .iter()
+                .enumerate()
+                .take_while(|&(i, &page)| page == first + i as u32)
+                .count();
+            self.device.upload(
+                &sums[start * blocks..(start + len) * blocks],
+                arena.sums_ptr(backing.chunk, first),
+            )?;
+            start += len;
         }
         // The uploads read pageable memory, staged before they return; a sync makes the sums
         // visible to every stream (the copy stream's demotions included).
@@ -747,6 +774,8 @@ impl Backings {
             &self.arenas[target.tier as usize],
         );
         let runs = contiguous_runs(&source.pages, &target.pages);
+        let breaks = (from_arena.run_break, to_arena.run_break);
+        let runs = split_at_registrations(runs, &source.pages, &target.pages, breaks);
         for (start, len) in runs {
             let src = from_arena.page_ptr(source.chunk, source.pages[start]);
             let dst = to_arena.page_ptr(target.chunk, target.pages[start]);
@@ -873,6 +902,31 @@ impl Drop for Backings {
     }
 }
 
+/// Cuts runs where either side crosses into another registration of a pinned host arena
+/// (every `breaks` pages from its start): the driver refuses a copy spanning two.
+fn split_at_registrations(
+    runs: Vec<(usize, usize)>,
+    from: &[u32],
+    to: &[u32],
+    breaks: (usize, usize),
+) -> Vec<(usize, usize)> {
+    let crosses = |pages: &[u32], every: usize, i: usize| {
+        every != usize::MAX && (pages[i] as usize).is_multiple_of(every)
+    };
+    let mut out = Vec::with_capacity(runs.len());
+    for (start, len) in runs {
+        let mut at = start;
+        for i in start + 1..start + len {
+            if crosses(from, breaks.0, i) || crosses(to, breaks.1, i) {
+                out.push((at, i - at));
+                at = i;
+            }
+        }
+        out.push((at, start + len - at));
+    }
+    out
+}
+
 /// Splits a page-to-page copy into runs contiguous on both sides: (first index, length).
 fn contiguous_runs(from: &[u32], to: &[u32]) -> Vec<(usize, usize)> {
     let mut runs: Vec<(usize, usize)> = Vec::new();
@@ -887,6 +941,14 @@ fn contiguous_runs(from: &[u32], to: &[u32]) -> Vec<(usize, usize)> {
         }
     }
     runs
+}
+
+/// The disk tier's files are the engine actor's (`engine::disk`), not the backend's.
+fn disk_is_not_memory() -> EngineError {
+    EngineError::Backing(
+        "the disk tier".into(),
+        "holds files, not memory the backend allocates".into(),
+    )
 }
 
 fn no_such(id: BackingId) -> EngineError {
@@ -908,7 +970,28 @@ fn check_copies(id: BackingId, pages: usize, pool: &PoolPages, copies: &[PageCop
 
 #[cfg(test)]
 mod tests {
-    use super::contiguous_runs;
+    use super::{contiguous_runs, split_at_registrations};
+
+    #[test]
+    fn runs_are_cut_where_a_side_enters_another_registration() {
+        let from = [0, 1, 2, 3, 4, 5];
+        let to = [6, 7, 8, 9, 10, 11];
+        let runs = contiguous_runs(&from, &to);
+        assert_eq!(runs, vec![(0, 6)]);
+        assert_eq!(
+            split_at_registrations(runs.clone(), &from, &to, (usize::MAX, 4)),
+            vec![(0, 2), (2, 4)],
+            "page 8 starts the target's second registration"
+        );
+        assert_eq!(
+            split_at_registrations(runs.clone(), &from, &to, (3, 4)),
+            vec![(0, 2), (2, 1), (3, 3)]
+        );
+        assert_eq!(
+            split_at_registrations(runs, &from, &to, (usize::MAX, usize::MAX)),
+            vec![(0, 6)]
+        );
+    }
 
     #[test]
     fn copies_run_as_far_as_both_sides_are_contiguous() {
