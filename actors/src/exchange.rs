@@ -74,7 +74,11 @@ pub enum StoreOp {
     /// Starts reading a disk snapshot back into memory.
     BeginPromotion(SnapshotId),
     CommitPromotion(SnapshotId),
-    AbortPromotion(SnapshotId),
+    /// A promotion failed; `corrupt`: its file was found corrupt (and is dropped).
+    AbortPromotion {
+        snapshot: SnapshotId,
+        corrupt: bool,
+    },
 }
 
 /// The answer to one [`StoreOp`], in the same position.

@@ -83,8 +83,8 @@ impl SnapshotStore {
             StoreOp::CommitPromotion(snapshot) => {
                 StoreReply::Freed(self.store.commit_promotion(snapshot))
             }
-            StoreOp::AbortPromotion(snapshot) => {
-                StoreReply::Freed(self.store.abort_promotion(snapshot))
+            StoreOp::AbortPromotion { snapshot, corrupt } => {
+                StoreReply::Freed(self.store.abort_promotion(snapshot, corrupt))
             }
             StoreOp::AbortDemotion(snapshot) => {
                 StoreReply::Done(self.store.abort_demotion(snapshot))

@@ -99,6 +99,12 @@ pub fn build(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Parts, Se
     let salt = PrefixSalt::new(&config.model_id, None);
     let mut engine = Engine::new(backend, config.eos_token_ids.clone());
     if let Some(dir) = policies.snapshots.disk_dir() {
+        if on_gpu && policies.snapshots.host_budget_bytes() == 0 {
+            tracing::warn!(
+                "snapshots.disk_dir is set without snapshots.host_budget_bytes: on a GPU the \
+                 disk tier reads snapshots back into the host tier, so none will be restored"
+            );
+        }
         let (mut disk, found) = DiskTier::open(dir, salt.0, store.geometry()).map_err(|e| {
             ServeError::Invalid(format!("opening snapshots.disk_dir {}: {e}", dir.display()))
         })?;

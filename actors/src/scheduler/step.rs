@@ -64,7 +64,7 @@ pub(super) enum StoreFollowUp {
     AbortDemotion(SnapshotId),
     DropCorrupt(SnapshotId),
     CommitPromotion(SnapshotId),
-    AbortPromotion(SnapshotId),
+    AbortPromotion(SnapshotId, bool),
 }
 
 impl StoreFollowUp {
@@ -77,7 +77,9 @@ impl StoreFollowUp {
             StoreFollowUp::AbortDemotion(id) => StoreOp::AbortDemotion(id),
             StoreFollowUp::DropCorrupt(id) => StoreOp::DropCorrupt(id),
             StoreFollowUp::CommitPromotion(id) => StoreOp::CommitPromotion(id),
-            StoreFollowUp::AbortPromotion(id) => StoreOp::AbortPromotion(id),
+            StoreFollowUp::AbortPromotion(snapshot, corrupt) => {
+                StoreOp::AbortPromotion { snapshot, corrupt }
+            }
         }
     }
 }
@@ -1086,11 +1088,12 @@ impl Scheduler {
                 }
                 Err(fault) => {
                     tracing::warn!("reading {snapshot} back from disk: {fault}");
-                    if matches!(fault, RestoreFault::Corrupt { .. }) {
+                    let corrupt = matches!(fault, RestoreFault::Corrupt { .. });
+                    if corrupt {
                         self.stats.corrupt_restores[tier_slot(Tier::Disk)] += 1;
                     }
                     self.follow_ups
-                        .push(StoreFollowUp::AbortPromotion(snapshot));
+                        .push(StoreFollowUp::AbortPromotion(snapshot, corrupt));
                     self.stop_awaiting(snapshot, false);
                 }
             }

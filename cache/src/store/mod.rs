@@ -1021,17 +1021,32 @@ impl SnapshotStore {
         }])
     }
 
-    /// A promotion failed (the file was unreadable or corrupt): the snapshot is gone, both
-    /// charges refunded, and its file handed back to be deleted. The engine frees the memory
-    /// buffer it had allocated.
-    pub fn abort_promotion(&mut self, id: SnapshotId) -> Result<Vec<Eviction>, CacheError> {
+    /// A promotion failed. A file found corrupt (`corrupt`) is gone with its snapshot, both
+    /// charges refunded, and handed back to be deleted; otherwise (the read could not run) the
+    /// snapshot stays on disk, findable, and only the memory charge is refunded. The engine
+    /// frees the memory buffer it had allocated either way.
+    pub fn abort_promotion(
+        &mut self,
+        id: SnapshotId,
+        corrupt: bool,
+    ) -> Result<Vec<Eviction>, CacheError> {
         let snapshot = self.snapshot_in(id, SnapshotState::Promoting)?;
         let State::Promoting { from } = snapshot.state else {
             unreachable!("snapshot_in checked the state");
         };
+        if !corrupt {
+            let (tier, bytes, last_use) = (snapshot.tier, snapshot.bytes, snapshot.last_use);
+            snapshot.tier = Tier::Disk;
+            snapshot.backing = from;
+            snapshot.state = State::Ready;
+            self.tier_mut(tier).refund(bytes);
+            self.tier_mut(Tier::Disk).order.insert(id, last_use);
+            return Ok(Vec::new());
+        }
         let snapshot = self.forget(id);
         self.tier_mut(snapshot.tier).refund(snapshot.bytes);
         self.tier_mut(Tier::Disk).refund(snapshot.bytes);
+        self.counters.corrupt += 1;
         Ok(vec![Eviction {
             snapshot: id,
             from: Tier::Disk,

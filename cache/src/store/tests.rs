@@ -851,11 +851,33 @@ fn a_failed_promotion_forgets_the_snapshot_and_its_file() {
     let PromotionStart::Started { .. } = store.begin_promotion(a).unwrap() else {
         panic!("started")
     };
-    let freed = store.abort_promotion(a).unwrap();
+    let freed = store.abort_promotion(a, true).unwrap();
     assert_eq!(freed[0].backing, backing);
     assert_eq!(state(&store, a), None);
     let stats = store.stats();
     assert_eq!((stats.disk.charged_bytes, stats.host.charged_bytes), (0, 0));
+}
+
+#[test]
+fn a_promotion_that_could_not_run_leaves_the_snapshot_on_disk() {
+    let mut store = disk_store(20, 100);
+    let (a, backing) = store.adopt_disk(&chain(&[1]), false).unwrap();
+    let PromotionStart::Started { .. } = store.begin_promotion(a).unwrap() else {
+        panic!("started")
+    };
+    assert_eq!(store.abort_promotion(a, false).unwrap(), vec![]);
+    let info = store.info(a).unwrap();
+    assert_eq!(
+        (info.tier, info.backing, info.state),
+        (Tier::Disk, backing, SnapshotState::Ready)
+    );
+    let stats = store.stats();
+    assert_eq!(
+        (stats.disk.charged_bytes, stats.host.charged_bytes),
+        (10, 0)
+    );
+    assert_eq!((stats.disk.snapshots, stats.host.snapshots), (1, 0));
+    assert_eq!(store.eviction_order(Tier::Disk), vec![a]);
 }
 
 #[test]
