@@ -95,7 +95,18 @@ impl Engine {
 
     /// The backings the backend holds now (tests compare them with the store's).
     pub fn backing_ids(&self) -> Vec<BackingId> {
-        self.backend.backing_ids()
+        let mut ids = self.backend.backing_ids();
+        if let Some(disk) = &self.disk {
+            ids.extend(disk.ids());
+        }
+        ids
+    }
+
+    /// Fault injection: XORs byte `offset` of a memory backing with `mask`.
+    pub fn flip_byte(&mut self, backing: BackingId, offset: u64, mask: u8) -> Result<(), String> {
+        self.backend
+            .flip_byte(backing, offset, mask)
+            .map_err(|e| e.to_string())
     }
 
     /// Demotions whose copy has not been reported yet.
@@ -819,9 +830,7 @@ impl Handler<FlipByte> for Engine {
     type Result = Result<(), String>;
 
     fn handle(&mut self, msg: FlipByte, _: &mut SyncContext<Self>) -> Self::Result {
-        self.backend
-            .flip_byte(msg.backing, msg.offset, msg.mask)
-            .map_err(|e| e.to_string())
+        self.flip_byte(msg.backing, msg.offset, msg.mask)
     }
 }
 
@@ -834,11 +843,7 @@ impl Handler<GetBackings> for Engine {
     type Result = MessageResult<GetBackings>;
 
     fn handle(&mut self, _: GetBackings, _: &mut SyncContext<Self>) -> Self::Result {
-        let mut ids = self.backend.backing_ids();
-        if let Some(disk) = &self.disk {
-            ids.extend(disk.ids());
-        }
-        MessageResult(ids)
+        MessageResult(self.backing_ids())
     }
 }
 

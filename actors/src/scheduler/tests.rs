@@ -79,7 +79,7 @@ impl Harness {
             &mut self.store,
             &mut self.engine,
         );
-        drive_step(scheduler, pool, store, engine, |_, _| {})
+        drive_step(scheduler, pool, store, engine, |_, _, _| {})
     }
 
     fn try_submit(
@@ -105,12 +105,22 @@ pub(super) fn drive_step(
     pool: &mut KvPool,
     store: &mut SnapshotStore,
     engine: &mut Engine,
-    between: impl FnOnce(&SnapshotStore, &Engine),
+    between: impl FnOnce(&SnapshotStore, &Engine, &[cache::BackingId]),
 ) -> (Vec<(usize, usize)>, StepOutcome) {
     let now = Instant::now();
     let lookups = scheduler.begin_step(now);
-    let replies = lookups.into_iter().map(|op| store.apply(op)).collect();
-    between(store, engine);
+    let replies: Vec<_> = lookups.into_iter().map(|op| store.apply(op)).collect();
+    // Buffers the store gave up in these follow-ups: the engine frees them in this step.
+    let freeing: Vec<cache::BackingId> = replies
+        .iter()
+        .filter_map(|reply| match reply {
+            crate::exchange::StoreReply::Freed(Ok(freed)) => Some(freed),
+            _ => None,
+        })
+        .flatten()
+        .map(|eviction| eviction.backing)
+        .collect();
+    between(store, engine, &freeing);
     let ops = scheduler.plan_pool(replies);
     let replies: Vec<_> = ops.into_iter().map(|op| pool.apply(op)).collect();
     let stats = pool.stats();

@@ -79,8 +79,10 @@ pub struct SnapshotInfo {
     pub tier: Tier,
     pub backing: BackingId,
     pub state: SnapshotState,
-    /// While demoting: the device backing that still holds its bytes (and that restores read).
+    /// While demoting: the backing that still holds its bytes (and that restores read).
     pub demoting_from: Option<BackingId>,
+    /// While promoting: the disk file being read back.
+    pub promoting_from: Option<BackingId>,
     /// Restores in flight.
     pub pins: u32,
     /// Kept by an operator: never evicted.
@@ -1136,6 +1138,10 @@ impl SnapshotStore {
             state: snapshot.public_state(),
             demoting_from: match snapshot.state {
                 State::Demoting { from, .. } => Some(from),
+                _ => None,
+            },
+            promoting_from: match snapshot.state {
+                State::Promoting { from } => Some(from),
                 _ => None,
             },
             pins: snapshot.pins,
