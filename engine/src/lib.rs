@@ -21,6 +21,7 @@ pub mod grammar;
 pub mod model;
 pub mod sampling;
 pub mod select;
+pub mod speculative;
 pub mod stop;
 pub mod tokenizer;
 pub mod tools;

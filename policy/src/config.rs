@@ -30,6 +30,80 @@ pub struct Config {
     pub backoff: BackoffConfig,
     pub admission: AdmissionConfig,
     pub server: ServerConfig,
+    pub speculative: SpeculativeConfig,
+}
+
+/// How draft tokens are proposed for speculative decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SpeculativeMethod {
+    /// One token per decode step.
+    #[default]
+    None,
+    /// Continue the latest earlier occurrence of the last few tokens (in the prompt or the
+    /// text generated): free, and right when the output copies its input.
+    PromptLookup,
+}
+
+/// `[speculative]`: speculative decoding (issue 14; the scheduler does not use it yet).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SpeculativeConfig {
+    pub method: SpeculativeMethod,
+    /// Draft tokens verified with a sequence's last token in one pass (at most 7: a verify
+    /// row is at most 8 wide).
+    pub draft_tokens: usize,
+    /// The shortest and longest n-grams prompt lookup matches.
+    pub ngram_min: usize,
+    pub ngram_max: usize,
+    /// Above this many running sequences speculation switches itself off: a busy GPU has no
+    /// compute to spare for verifying tokens that may be refused.
+    pub max_batch: usize,
+}
+
+impl Default for SpeculativeConfig {
+    fn default() -> Self {
+        SpeculativeConfig {
+            method: SpeculativeMethod::None,
+            draft_tokens: 7,
+            ngram_min: 1,
+            ngram_max: 3,
+            max_batch: 8,
+        }
+    }
+}
+
+/// The widest verify row: a sequence's last token and its draft.
+pub const MAX_VERIFY_WIDTH: usize = 8;
+
+impl SpeculativeConfig {
+    pub fn validate(&self) -> Result<SpeculativeConfig, PolicyError> {
+        require(
+            (1..MAX_VERIFY_WIDTH).contains(&self.draft_tokens),
+            "speculative.draft_tokens",
+            || {
+                format!(
+                    "must be 1 to {}, got {}",
+                    MAX_VERIFY_WIDTH - 1,
+                    self.draft_tokens
+                )
+            },
+        )?;
+        require(
+            self.ngram_min >= 1 && self.ngram_min <= self.ngram_max && self.ngram_max <= 64,
+            "speculative.ngram_min",
+            || {
+                format!(
+                    "needs 1 <= ngram_min <= ngram_max <= 64, got {} and {}",
+                    self.ngram_min, self.ngram_max
+                )
+            },
+        )?;
+        require(self.max_batch >= 1, "speculative.max_batch", || {
+            "must be at least 1".to_string()
+        })?;
+        Ok(self.clone())
+    }
 }
 
 /// Which backend runs the model.
@@ -498,6 +572,7 @@ pub struct Policies {
     pub backoff: BackoffPolicy,
     pub admission: AdmissionPolicy,
     pub server: ServerPolicy,
+    pub speculative: SpeculativeConfig,
 }
 
 impl Policies {
@@ -521,6 +596,7 @@ impl Config {
             backoff: self.backoff.validate()?,
             admission: self.admission.validate()?,
             server: self.server.validate()?,
+            speculative: self.speculative.validate()?,
         })
     }
 }
@@ -947,5 +1023,33 @@ mod tests {
             err.to_string(),
             "backoff.max_ms must be >= backoff.base_ms (100), got 50"
         );
+    }
+
+    #[test]
+    fn speculative_decoding_is_off_by_default_and_its_bounds_are_checked() {
+        let p = Policies::from_toml("").unwrap();
+        assert_eq!(p.speculative.method, SpeculativeMethod::None);
+        let p = Policies::from_toml(
+            "[speculative]\nmethod = \"prompt_lookup\"\ndraft_tokens = 5\nngram_max = 4\n",
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                p.speculative.method,
+                p.speculative.draft_tokens,
+                p.speculative.ngram_max
+            ),
+            (SpeculativeMethod::PromptLookup, 5, 4)
+        );
+        for bad in [
+            "draft_tokens = 8",
+            "draft_tokens = 0",
+            "ngram_min = 3\nngram_max = 2",
+            "max_batch = 0",
+            "method = \"medusa\"",
+        ] {
+            let err = Policies::from_toml(&format!("[speculative]\n{bad}\n"));
+            assert!(err.is_err(), "{bad} was accepted");
+        }
     }
 }

@@ -23,7 +23,8 @@ pub mod step_time;
 pub use backoff::{Backoff, BackoffPolicy, BackoffStep, OnExhausted};
 pub use config::{
     AdmissionConfig, AdmissionPolicy, BackendKind, BackoffConfig, CacheConfig, CachePolicy, Config,
-    EngineConfig, Policies, PoolSize, ServerConfig, ServerPolicy, SnapshotConfig, SnapshotPolicy,
+    EngineConfig, MAX_VERIFY_WIDTH, Policies, PoolSize, ServerConfig, ServerPolicy, SnapshotConfig,
+    SnapshotPolicy, SpeculativeConfig, SpeculativeMethod,
 };
 pub use error::PolicyError;
 pub use eviction::{EvictionKind, EvictionPolicy, Lru};
