@@ -10,6 +10,7 @@ use cache::PageId;
 use crate::backend::{Backend, LogitsWanted, RowPlan, StepPlan};
 use crate::error::{EngineError, Result};
 use crate::sampling::{Sampler, SamplingParams};
+use crate::speculative::DraftSource;
 pub use crate::stop::FinishReason;
 use crate::stop::{StopMatcher, finish_after};
 use crate::tokenizer::{TextStream, Tokenizer};
@@ -25,6 +26,16 @@ pub struct Generation {
     pub finish_reason: FinishReason,
     pub prefill_time: Duration,
     pub decode_time: Duration,
+    /// Draft tokens proposed and kept, when speculating.
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
+/// Speculative decoding for [`generate_speculative`]: where drafts come from and how many to
+/// verify per step.
+pub struct Speculation<'a> {
+    pub source: &'a mut dyn DraftSource,
+    pub draft_tokens: usize,
 }
 
 /// The model side of a generation: tokenizer and end-of-sequence ids.
@@ -52,8 +63,35 @@ pub fn generate_with(
     backend: &mut dyn Backend,
     vocab: &Vocabulary,
     prompt: &[u32],
+    sampler: Sampler,
+    prefill_chunk: usize,
+    on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    generate_speculative(
+        backend,
+        vocab,
+        prompt,
+        sampler,
+        prefill_chunk,
+        None,
+        on_text,
+    )
+}
+
+/// [`generate_with`], verifying drafted tokens when `speculation` is given: each step runs the
+/// last token and up to `draft_tokens` drafted ones in one pass, and the sampler picks at every
+/// position in turn exactly as it would one step at a time (penalties, grammar and seeded draws
+/// included), keeping drafted tokens while its picks agree. The output is the same token for
+/// token as without speculation (a batch-invariant backend gives each position the same
+/// logits either way); a draft the sampler disagrees with costs only its compute. Positions
+/// past the kept ones are overwritten by the next step: nothing reads them before.
+pub fn generate_speculative(
+    backend: &mut dyn Backend,
+    vocab: &Vocabulary,
+    prompt: &[u32],
     mut sampler: Sampler,
     prefill_chunk: usize,
+    mut speculation: Option<Speculation>,
     mut on_text: impl FnMut(&str),
 ) -> Result<Generation> {
     let params = &sampler.params().clone();
@@ -101,41 +139,65 @@ pub fn generate_with(
             },
         )?);
     }
-    let mut logits = output
-        .expect("a non-empty prompt has a chunk")
-        .last_logits(0)
-        .to_vec();
+    let first = output.expect("a non-empty prompt has a chunk");
+    // The distributions not used yet: row `i` follows the last token and `draft[..i]`.
+    let mut rows = vec![first.last_logits(0).to_vec()];
+    let mut draft: Vec<u32> = Vec::new();
     let prefill_time = started.elapsed();
 
     let started = Instant::now();
     let (mut tokens, mut text) = (Vec::new(), String::new());
-    let finish_reason = loop {
-        let token = sampler.sample(&mut logits);
-        if let Some(failure) = sampler.failure() {
-            return Err(EngineError::Grammar(failure.to_owned()));
+    let (mut drafted, mut accepted) = (0, 0);
+    let mut context = prompt.to_vec();
+    let finish_reason = 'generation: loop {
+        let mut last = None;
+        for (i, logits) in rows.iter_mut().enumerate() {
+            let token = sampler.sample(logits);
+            if let Some(failure) = sampler.failure() {
+                return Err(EngineError::Grammar(failure.to_owned()));
+            }
+            sampler.accept(token);
+            tokens.push(token);
+            context.push(token);
+            let ended = finish_after(params, vocab.eos_token_ids, token, tokens.len(), max_new);
+            if ended == Some(FinishReason::Stop) {
+                break 'generation FinishReason::Stop;
+            }
+            let piece = stops.push(&stream.push(vocab.tokenizer, token)?);
+            on_text(&piece.text);
+            text.push_str(&piece.text);
+            if piece.matched.is_some() {
+                break 'generation FinishReason::Stop;
+            }
+            if let Some(reason) = ended {
+                break 'generation reason;
+            }
+            last = Some(token);
+            if draft.get(i) != Some(&token) {
+                break;
+            }
+            accepted += 1;
         }
-        sampler.accept(token);
-        tokens.push(token);
-        let ended = finish_after(params, vocab.eos_token_ids, token, tokens.len(), max_new);
-        if ended == Some(FinishReason::Stop) {
-            break FinishReason::Stop;
-        }
-        let piece = stops.push(&stream.push(vocab.tokenizer, token)?);
-        on_text(&piece.text);
-        text.push_str(&piece.text);
-        if piece.matched.is_some() {
-            break FinishReason::Stop;
-        }
-        if let Some(reason) = ended {
-            break reason;
-        }
-        logits = run(
-            &[token],
-            prompt.len() + tokens.len() - 1,
-            LogitsWanted::Last,
-        )?
-        .last_logits(0)
-        .to_vec();
+        let token = last.expect("every step picks at least one token");
+        // A draft no longer than the room left (the last token of the room needs no draft).
+        let room = max_new - tokens.len();
+        draft = match &mut speculation {
+            Some(s) if room > 1 => s.source.propose(&context, s.draft_tokens.min(room - 1)),
+            _ => Vec::new(),
+        };
+        drafted += draft.len();
+        let mut row = Vec::with_capacity(draft.len() + 1);
+        row.push(token);
+        row.extend_from_slice(&draft);
+        let wanted = if draft.is_empty() {
+            LogitsWanted::Last
+        } else {
+            LogitsWanted::All
+        };
+        let output = run(&row, prompt.len() + tokens.len() - 1, wanted)?;
+        rows = (0..row.len().min(output.row_ranges[0].len()))
+            .map(|k| output.logits(0, k).to_vec())
+            .collect();
     };
     if !stops.is_finished() {
         let rest = stops.push(&stream.finish(vocab.tokenizer)?).text + &stops.finish();
@@ -150,5 +212,7 @@ pub fn generate_with(
         finish_reason,
         prefill_time,
         decode_time,
+        drafted,
+        accepted,
     })
 }
