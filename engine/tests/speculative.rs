@@ -35,7 +35,7 @@ fn run(files: &ModelFiles, prompt: &[u32], params: &SamplingParams, speculate: b
         ngram_min: 1,
         ngram_max: 3,
     };
-    let speculation = speculate.then(|| Speculation {
+    let speculation = speculate.then_some(Speculation {
         source: &mut lookup,
         draft_tokens: 7,
     });
