@@ -149,7 +149,12 @@ pub fn generate_speculative(
     let (mut tokens, mut text) = (Vec::new(), String::new());
     let (mut drafted, mut accepted) = (0, 0);
     let mut context = prompt.to_vec();
+    // The draft length follows what the last verification kept: one more than it kept (so a
+    // run of agreement grows it by one a step, to `draft_tokens`), one after a refusal of
+    // everything, where a longer draft would mostly be computed for nothing.
+    let mut budget = speculation.as_ref().map_or(0, |s| s.draft_tokens);
     let finish_reason = 'generation: loop {
+        let kept_before = accepted;
         let mut last = None;
         for (i, logits) in rows.iter_mut().enumerate() {
             let token = sampler.sample(logits);
@@ -179,10 +184,15 @@ pub fn generate_speculative(
             accepted += 1;
         }
         let token = last.expect("every step picks at least one token");
+        if let Some(s) = &speculation
+            && !draft.is_empty()
+        {
+            budget = (accepted - kept_before + 1).clamp(1, s.draft_tokens);
+        }
         // A draft no longer than the room left (the last token of the room needs no draft).
         let room = max_new - tokens.len();
         draft = match &mut speculation {
-            Some(s) if room > 1 => s.source.propose(&context, s.draft_tokens.min(room - 1)),
+            Some(s) if room > 1 => s.source.propose(&context, budget.min(room - 1)),
             _ => Vec::new(),
         };
         drafted += draft.len();
