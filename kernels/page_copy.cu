@@ -37,6 +37,19 @@ __device__ __forceinline__ u64 block_total(u64 sum) {
     return sum;
 }
 
+// Copies one block of `words` 16-byte words and returns its sum, in thread 0 (every thread calls
+// it): the gather and the scatter differ only in where the block goes and what the sum is for.
+__device__ __forceinline__ u64 copy_block(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                          u32 words) {
+    u64 sum = 0;
+    for (u32 i = threadIdx.x; i < words; i += blockDim.x) {
+        uint4 v = src[i];
+        dst[i] = v;
+        sum += word_terms(v, i);
+    }
+    return block_total(sum);
+}
+
 // Pool pages into snapshot pages, with the sum of every block written. grid: (copies, 2 · layers).
 extern "C" __global__ void gather_pages(const uint4* __restrict__ pool, uint4* __restrict__ snapshot,
                                         const u32* __restrict__ copies, u32 pages_total,
@@ -46,13 +59,7 @@ extern "C" __global__ void gather_pages(const uint4* __restrict__ pool, uint4* _
     u32 block = blockIdx.y;  // layer · 2 + (0 for K, 1 for V)
     const uint4* src = pool + ((u64)block * pages_total + pool_page) * page_words;
     uint4* dst = snapshot + ((u64)snap_page * 2 * layers + block) * page_words;
-    u64 sum = 0;
-    for (u32 i = threadIdx.x; i < page_words; i += blockDim.x) {
-        uint4 v = src[i];
-        dst[i] = v;
-        sum += word_terms(v, i);
-    }
-    sum = block_total(sum);
+    u64 sum = copy_block(src, dst, page_words);
     if (threadIdx.x == 0) sums[(u64)snap_page * 2 * layers + block] = sum;
 }
 
@@ -67,13 +74,7 @@ extern "C" __global__ void scatter_pages(const uint4* __restrict__ snapshot, uin
     u32 block = blockIdx.y;
     const uint4* src = snapshot + ((u64)snap_page * 2 * layers + block) * page_words;
     uint4* dst = pool + ((u64)block * pages_total + pool_page) * page_words;
-    u64 sum = 0;
-    for (u32 i = threadIdx.x; i < page_words; i += blockDim.x) {
-        uint4 v = src[i];
-        dst[i] = v;
-        sum += word_terms(v, i);
-    }
-    sum = block_total(sum);
+    u64 sum = copy_block(src, dst, page_words);
     if (threadIdx.x == 0 && sum != sums[(u64)snap_page * 2 * layers + block]) *bad = 1;
 }
 

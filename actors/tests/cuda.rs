@@ -256,7 +256,7 @@ async fn a_corruption_drill_refuses_every_damaged_snapshot_on_the_gpu() {
             assert!(finished(&completion), "{:?}", completion.end);
         }
     }
-    let saved = settle(&handles).await;
+    let saved = settle(&handles, 3000).await;
     let mut stored = handles.snapshots().await;
     stored.sort_by_key(|s| s.id);
     assert_eq!(
@@ -325,7 +325,7 @@ async fn a_corruption_drill_refuses_every_damaged_snapshot_on_the_gpu() {
         }
     }
     assert_eq!(refused, 100);
-    let stats = settle(&handles).await;
+    let stats = settle(&handles, 3000).await;
     // A damaged snapshot may have moved down a tier before it was read (the damage travels
     // with it, sums and all), so only the total is exact.
     let found = stats.scheduler.corrupt_restores;
@@ -345,21 +345,4 @@ async fn a_corruption_drill_refuses_every_damaged_snapshot_on_the_gpu() {
         "drill: {PROMPTS} snapshots, 100 damaged (device, host, disk: {by_tier:?}), 100 refused and \
          recomputed, found where read (device, host, disk): {found:?}"
     );
-}
-
-/// Waits until no snapshot is moving between tiers.
-async fn settle(handles: &actors::Handles) -> actors::Stats {
-    for _ in 0..3000 {
-        let stats = wait_idle(handles).await;
-        let moving = handles
-            .snapshots()
-            .await
-            .iter()
-            .any(|s| s.state != cache::SnapshotState::Ready);
-        if !moving {
-            return stats;
-        }
-        actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    panic!("snapshots still moving between tiers");
 }

@@ -69,23 +69,6 @@ fn files_in(dir: &Path, ext: &str) -> Vec<std::path::PathBuf> {
     files
 }
 
-/// Waits until no copy to or from the disk tier is running.
-async fn settle(handles: &Handles) -> actors::Stats {
-    for _ in 0..200 {
-        let stats = wait_idle(handles).await;
-        let moving = handles
-            .snapshots()
-            .await
-            .iter()
-            .any(|s| s.state != cache::SnapshotState::Ready);
-        if !moving {
-            return stats;
-        }
-        actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    panic!("the disk tier's copies did not end");
-}
-
 #[actix_rt::test]
 async fn evicted_snapshots_go_to_disk_and_come_back_on_a_hit() {
     let model = TinyModel::new();
@@ -94,7 +77,7 @@ async fn evicted_snapshots_go_to_disk_and_come_back_on_a_hit() {
     for seed in 1..=4 {
         run(&handles, ask(&model, seed, 100 + seed)).await;
     }
-    let stats = settle(&handles).await;
+    let stats = settle(&handles, 200).await;
     assert_eq!(
         (stats.store.device.snapshots, stats.store.disk.snapshots),
         (2, 2),
@@ -112,7 +95,7 @@ async fn evicted_snapshots_go_to_disk_and_come_back_on_a_hit() {
     let (tokens, cached) = run(&handles, again).await;
     assert_eq!(tokens, expected);
     assert_eq!(cached, 3 * PAGE, "restored after its promotion");
-    let stats = settle(&handles).await;
+    let stats = settle(&handles, 200).await;
     assert_eq!(stats.store.promotions, 1);
     let mut held = handles.backings().await;
     let mut listed: Vec<_> = handles
@@ -139,7 +122,7 @@ async fn a_restart_finds_what_a_clean_shutdown_flushed() {
     for seed in 1..=3 {
         run(&first, ask(&model, seed, 10 + seed)).await;
     }
-    settle(&first).await;
+    settle(&first, 200).await;
     assert!(files_in(dir.path(), "snap").is_empty(), "all fit in memory");
     assert_eq!(first.flush_to_disk().await, 3);
     first.shutdown().await;
@@ -169,7 +152,7 @@ async fn bad_files_are_dropped_at_start_or_refused_when_read() {
     for seed in 1..=4 {
         run(&first, ask(&model, seed, 10 + seed)).await;
     }
-    settle(&first).await;
+    settle(&first, 200).await;
     assert_eq!(first.flush_to_disk().await, 4);
     first.shutdown().await;
     let files = files_in(dir.path(), "snap");
@@ -197,7 +180,7 @@ async fn bad_files_are_dropped_at_start_or_refused_when_read() {
     )
     .unwrap();
     run(&foreign, ask(&other, 9, 9)).await;
-    settle(&foreign).await;
+    settle(&foreign, 200).await;
     assert_eq!(foreign.flush_to_disk().await, 1);
     foreign.shutdown().await;
     let foreign_file = &files_in(other_dir.path(), "snap")[0];
@@ -222,7 +205,7 @@ async fn bad_files_are_dropped_at_start_or_refused_when_read() {
         assert_eq!(tokens, expected, "prompt {seed}: no corrupt KV was served");
         cached_by_seed.push(cached);
     }
-    let stats = settle(&second).await;
+    let stats = settle(&second, 200).await;
     assert_eq!(stats.scheduler.corrupt_restores, [0, 0, 1]);
     assert_eq!(
         cached_by_seed.iter().filter(|&&c| c == 0).count(),

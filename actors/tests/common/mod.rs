@@ -173,6 +173,24 @@ pub async fn wait_idle(handles: &Handles) -> actors::Stats {
     panic!("not idle: {:?}", handles.stats().await);
 }
 
+/// Waits (up to `polls` checks 10 ms apart) until the actors are idle and no snapshot is moving
+/// between tiers: every demotion and promotion has landed in the store.
+pub async fn settle(handles: &Handles, polls: usize) -> actors::Stats {
+    for _ in 0..polls {
+        let stats = wait_idle(handles).await;
+        let moving = handles
+            .snapshots()
+            .await
+            .iter()
+            .any(|s| s.state != cache::SnapshotState::Ready);
+        if !moving {
+            return stats;
+        }
+        actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("snapshots still moving between tiers");
+}
+
 /// A CPU backend whose forward pass fails at one chosen step: the engine error of a real
 /// device (an out-of-memory, a driver fault), injected where a test wants it.
 pub struct FailingBackend {

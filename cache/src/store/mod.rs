@@ -176,6 +176,20 @@ pub struct Eviction {
     pub demoted_tier: Tier,
 }
 
+impl Eviction {
+    /// A buffer given up outright (no demotion): the engine frees it.
+    fn dropped(snapshot: SnapshotId, from: Tier, backing: BackingId, bytes: u64) -> Eviction {
+        Eviction {
+            snapshot,
+            from,
+            backing,
+            bytes,
+            demoted_to: None,
+            demoted_tier: from,
+        }
+    }
+}
+
 /// The answer to `begin_save`.
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "a reservation holds budget until it is committed or aborted"]
@@ -736,14 +750,7 @@ impl SnapshotStore {
             let (backing, bytes) = (snapshot.backing, snapshot.bytes);
             self.forget(id);
             self.tier_mut(tier).refund(bytes);
-            return Ok(vec![Eviction {
-                snapshot: id,
-                from: tier,
-                backing,
-                bytes,
-                demoted_to: None,
-                demoted_tier: tier,
-            }]);
+            return Ok(vec![Eviction::dropped(id, tier, backing, bytes)]);
         }
         snapshot.state = State::Ready;
         let last_use = snapshot.last_use;
@@ -780,14 +787,7 @@ impl SnapshotStore {
                 tier_state.order.remove(&id);
                 tier_state.refund(bytes);
                 self.counters.corrupt += 1;
-                Ok(vec![Eviction {
-                    snapshot: id,
-                    from: tier,
-                    backing,
-                    bytes,
-                    demoted_to: None,
-                    demoted_tier: tier,
-                }])
+                Ok(vec![Eviction::dropped(id, tier, backing, bytes)])
             }
             State::Demoting { .. } | State::Promoting { .. } => {
                 if !snapshot.corrupt {
@@ -878,7 +878,8 @@ impl SnapshotStore {
         page_table: &[PageId],
     ) -> Result<RestorePlan, CacheError> {
         let geometry = self.geometry;
-        if self.snapshot(id)?.findable() && self.snapshot(id)?.source().1 == Tier::Disk {
+        let found = self.snapshot(id)?;
+        if found.findable() && found.source().1 == Tier::Disk {
             return Err(CacheError::OnDisk { snapshot: id });
         }
         let snapshot = self.restorable(id)?;
@@ -1013,14 +1014,7 @@ impl SnapshotStore {
         let (tier, bytes, last_use) = (snapshot.tier, snapshot.bytes, snapshot.last_use);
         self.tier_mut(tier).order.insert(id, last_use);
         self.tier_mut(Tier::Disk).refund(bytes);
-        Ok(vec![Eviction {
-            snapshot: id,
-            from: Tier::Disk,
-            backing: from,
-            bytes,
-            demoted_to: None,
-            demoted_tier: Tier::Disk,
-        }])
+        Ok(vec![Eviction::dropped(id, Tier::Disk, from, bytes)])
     }
 
     /// A promotion failed. A file found corrupt (`corrupt`) is gone with its snapshot, both
@@ -1049,14 +1043,12 @@ impl SnapshotStore {
         self.tier_mut(snapshot.tier).refund(snapshot.bytes);
         self.tier_mut(Tier::Disk).refund(snapshot.bytes);
         self.counters.corrupt += 1;
-        Ok(vec![Eviction {
-            snapshot: id,
-            from: Tier::Disk,
-            backing: from,
-            bytes: snapshot.bytes,
-            demoted_to: None,
-            demoted_tier: Tier::Disk,
-        }])
+        Ok(vec![Eviction::dropped(
+            id,
+            Tier::Disk,
+            from,
+            snapshot.bytes,
+        )])
     }
 
     /// Registers a snapshot found in the disk tier at start-up, published and ready to be
