@@ -2,10 +2,14 @@
 //! steps through the `SnapshotStore`, `KvPool` and `Engine` actors.
 //!
 //! A step is one chain of four exchanges (store, pool, store, engine); while it is in flight,
-//! submissions and cancellations are still handled, so the queue fills while the engine works.
+//! submissions and cancellations are still handled, so the queue fills while the engine works;
+//! each raises the engine's interrupt, which ends a multi-step decode after the decode step it
+//! is in, so a newcomer is admitted one decode step later, not `decode_steps`.
 //! When a step ends with work left, the next starts at once; when every job is backing off, a
 //! timer wakes the loop; when there is nothing to do, the next submission does.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use actix::{
@@ -25,6 +29,9 @@ pub struct Admission {
     pool: Addr<KvPool>,
     store: Addr<SnapshotStore>,
     engine: Addr<Engine>,
+    /// The engine's interrupt ([`Engine::interrupt`]): raised by arrivals and cancellations,
+    /// lowered when a step is planned (which sees them).
+    interrupt: Arc<AtomicBool>,
     stepping: bool,
     wake: Option<SpawnHandle>,
     mailbox_capacity: usize,
@@ -36,6 +43,7 @@ impl Admission {
         pool: Addr<KvPool>,
         store: Addr<SnapshotStore>,
         engine: Addr<Engine>,
+        interrupt: Arc<AtomicBool>,
         mailbox_capacity: usize,
     ) -> Self {
         Admission {
@@ -43,15 +51,18 @@ impl Admission {
             pool,
             store,
             engine,
+            interrupt,
             stepping: false,
             wake: None,
             mailbox_capacity,
         }
     }
 
-    /// Starts a step if one can run, else arms the timer for the next back-off to end.
+    /// Starts a step if one can run, else arms the timer for the next back-off to end. Called
+    /// by every arrival and cancellation: during a step, it cuts a multi-step decode short.
     fn kick(&mut self, ctx: &mut Context<Self>) {
         if self.stepping {
+            self.interrupt.store(true, Ordering::Release);
             return;
         }
         let now = Instant::now();
@@ -85,6 +96,8 @@ impl Admission {
 
     fn run_step(&mut self, ctx: &mut Context<Self>) {
         self.stepping = true;
+        // This step's planning sees every arrival so far.
+        self.interrupt.store(false, Ordering::Release);
         let started = Instant::now();
         let lookups = self.scheduler.begin_step(Instant::now());
         let store = self.store.clone();

@@ -10,7 +10,9 @@
 //!
 //! A step may ask for several decode steps ([`EngineStep::row_steps`]): the engine then runs
 //! the forward pass again on the rows still going, each fed the token it just sampled, so the
-//! scheduler's overhead is paid once for all of them.
+//! scheduler's overhead is paid once for all of them. A request that arrives (or is cancelled)
+//! meanwhile cuts it short after the decode step it is in ([`Engine::interrupt`]), so the
+//! newcomer waits one decode step to be admitted, not `decode_steps`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -37,6 +39,10 @@ pub struct Engine {
     /// True while the engine can run steps; cleared when it shuts down or its thread dies
     /// (a backend that panicked drops the engine while unwinding).
     alive: Arc<AtomicBool>,
+    /// Raised by `Admission` when a request arrives or is cancelled while a step runs: a
+    /// multi-step decode ends after the decode step it is in. A flag rather than a message
+    /// because the engine's mailbox is not read until the step ends.
+    interrupt: Arc<AtomicBool>,
     /// Demotions whose copy is running, by their host backing.
     demoting: HashMap<BackingId, Demotion>,
     /// Device backings of demotions reported this step, freed once the step's restores
@@ -78,6 +84,7 @@ impl Engine {
             backend,
             eos_token_ids,
             alive: Arc::new(AtomicBool::new(true)),
+            interrupt: Arc::new(AtomicBool::new(false)),
             demoting: HashMap::new(),
             demoted_sources: Vec::new(),
             frames: HashMap::new(),
@@ -117,6 +124,12 @@ impl Engine {
     /// A flag other threads can read: whether this engine can still run steps.
     pub fn alive(&self) -> Arc<AtomicBool> {
         self.alive.clone()
+    }
+
+    /// The flag that cuts a multi-step decode short: whoever raises it lowers it before the
+    /// next step is planned (the `Admission` actor, when that step starts).
+    pub fn interrupt(&self) -> Arc<AtomicBool> {
+        self.interrupt.clone()
     }
 }
 
@@ -449,6 +462,7 @@ impl Engine {
         samplers: &mut [Option<Box<Sampler>>],
         row_steps: &[usize],
         first_step_seconds: &mut f64,
+        cut_short: &mut bool,
     ) -> Result<SampledTokens, String> {
         let rows = plan.rows.len();
         if rows == 0 {
@@ -487,6 +501,7 @@ impl Engine {
             &mut sampled,
             &mut order,
             &mut parked,
+            cut_short,
         );
         if !parked.is_empty() {
             let mut all: Vec<(usize, RowPlan)> =
@@ -499,7 +514,9 @@ impl Engine {
     }
 
     /// Decode steps 2 and on of a multi-step decode. `order[r]` is the original index of plan
-    /// row `r`; rows that stop move to `parked`.
+    /// row `r`; rows that stop move to `parked`. Ends early, with `cut_short` set, when the
+    /// interrupt is raised.
+    #[allow(clippy::too_many_arguments)]
     fn decode_more(
         &mut self,
         plan: &mut StepPlan,
@@ -508,9 +525,14 @@ impl Engine {
         sampled: &mut SampledTokens,
         order: &mut Vec<usize>,
         parked: &mut Vec<(usize, RowPlan)>,
+        cut_short: &mut bool,
     ) -> Result<(), String> {
         let steps = row_steps.iter().copied().max().unwrap_or(1);
         for step in 1..steps {
+            if self.interrupt.load(Ordering::Acquire) {
+                *cut_short = true;
+                break;
+            }
             let mut kept = 0;
             for r in 0..plan.rows.len() {
                 let i = order[r];
@@ -595,11 +617,13 @@ impl Engine {
         // Restores planned while a snapshot was demoting are queued: its device copy may go.
         self.free_demoted_sources();
         let mut first_step_seconds = 0.0;
+        let mut cut_short = false;
         let forward = self.forward(
             &mut step.plan,
             &mut step.samplers,
             &step.row_steps,
             &mut first_step_seconds,
+            &mut cut_short,
         );
         let forwarded = began.elapsed();
         let restores = self.restore_outcomes(&step.restores, queued);
@@ -638,6 +662,7 @@ impl Engine {
             forks,
             forward,
             first_step_seconds,
+            cut_short,
             samplers: step.samplers,
             saves,
             plan: step.plan,

@@ -216,6 +216,9 @@ pub struct EngineStepReply {
     pub forward: Result<SampledTokens, String>,
     /// Seconds the forward pass's first step took, sampling included (0 without rows).
     pub first_step_seconds: f64,
+    /// A multi-step decode ended before its rows' step counts because the interrupt was
+    /// raised (a request arrived or was cancelled).
+    pub cut_short: bool,
     /// The samplers, handed back in row order.
     pub samplers: Vec<Option<Box<Sampler>>>,
     pub saves: Vec<Result<(), String>>,
@@ -254,6 +257,7 @@ impl EngineStepReply {
             forks: vec![Err(reason.to_string()); shape.forks],
             forward: Err(reason.to_string()),
             first_step_seconds: 0.0,
+            cut_short: false,
             samplers: (0..shape.rows).map(|_| None).collect(),
             saves: vec![Err(reason.to_string()); shape.saves],
             plan: StepPlan::default(),

@@ -71,6 +71,10 @@ fn describe() {
             "Scheduler steps that ran several decode steps in one engine step.",
         ),
         (
+            "snapserve_multi_step_cut_short_total",
+            "Multi-step decodes ended early because a request arrived or was cancelled.",
+        ),
+        (
             "snapserve_snapshot_hits_total",
             "Snapshot lookups that found a stored prefix.",
         ),
@@ -204,6 +208,7 @@ pub async fn render(handles: &Handles, prometheus: &PrometheusHandle) -> String 
     counter!("snapserve_preemptions_total").absolute(scheduler.preemptions);
     counter!("snapserve_scheduler_steps_total").absolute(scheduler.steps);
     counter!("snapserve_multi_step_steps_total").absolute(scheduler.multi_steps);
+    counter!("snapserve_multi_step_cut_short_total").absolute(scheduler.multi_steps_cut_short);
     for (tier, count) in ["device", "host", "disk"]
         .into_iter()
         .zip(scheduler.corrupt_restores)

@@ -169,6 +169,7 @@ pub fn build(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Parts, Se
 pub fn start(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Handles, ServeError> {
     let parts = build(backend, config)?;
     let engine_alive = parts.engine.alive();
+    let interrupt = parts.engine.interrupt();
     let limit = parts.scheduler.limit();
     // The arbiter asks for a factory it may call again; the engine exists once.
     let engine = std::sync::Mutex::new(Some(parts.engine));
@@ -183,6 +184,7 @@ pub fn start(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Handles, 
         pool.clone(),
         store.clone(),
         engine.clone(),
+        interrupt,
         parts.mailbox,
     )
     .start();
@@ -352,6 +354,15 @@ impl Handles {
     /// context down when the CUDA libraries unload.
     pub async fn shutdown(&self) {
         let _ = self.engine.send(crate::engine::Shutdown).await;
+    }
+
+    /// The scheduler's counters alone: answered while the engine runs a step (`stats` waits for
+    /// the step to end, since the engine reports its memory between steps).
+    pub async fn scheduler_stats(&self) -> SchedulerStats {
+        self.admission
+            .send(GetSchedulerStats)
+            .await
+            .expect("the actors run as long as their handles")
     }
 
     pub async fn stats(&self) -> Stats {

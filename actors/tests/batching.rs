@@ -160,3 +160,66 @@ async fn multi_step_decoding_on_smollm2_gives_every_request_its_solo_tokens() {
         stats.scheduler
     );
 }
+
+/// A request that arrives while the engine runs a multi-step decode cuts it short: it is
+/// admitted after the decode step in flight, not after all of them, and both requests still
+/// give exactly their solo tokens.
+#[actix_rt::test]
+async fn an_arrival_cuts_a_multi_step_decode_short() {
+    let files = engine::model::ModelFiles::open(&smollm2()).unwrap();
+    let encode = |text: &str| files.tokenizer.encode_rendered(text).unwrap();
+    let mut params = greedy(24);
+    params.ignore_eos = true;
+    let long = GenerateRequest {
+        prompt: encode(PROMPTS[2]),
+        params,
+    };
+    let short = GenerateRequest {
+        prompt: encode(PROMPTS[0]),
+        params: greedy(2),
+    };
+    let expected = [solo(&files, &long), solo(&files, &short)];
+
+    // One multi-step decode could run every token the long request has left after its first.
+    let config = serve_config(
+        &files,
+        policies("[admission]\nmax_running = 8\ndecode_steps = 32\n"),
+    );
+    let handles = actors::start(Box::new(cpu_backend(&files, 64)), config).unwrap();
+    let long_stream = handles.submit(long).await.unwrap();
+    let mut polls = 0;
+    while handles.scheduler_stats().await.multi_steps == 0 {
+        polls += 1;
+        assert!(
+            polls < 2_000,
+            "the long request never started a multi-step decode"
+        );
+        actix_rt::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    let mut short_stream = handles.submit(short).await.unwrap();
+    let first = short_stream.next().await;
+    assert!(matches!(first, Some(Event::Token(_))), "{first:?}");
+    let at_first_token = handles.scheduler_stats().await;
+    assert_eq!(
+        at_first_token.running, 2,
+        "the short request was admitted only after the long one ended: {at_first_token:?}"
+    );
+    let (short_done, long_done) = (short_stream.collect().await, long_stream.collect().await);
+    let mut short_tokens = vec![match first {
+        Some(Event::Token(token)) => token,
+        _ => unreachable!("asserted above"),
+    }];
+    short_tokens.extend(&short_done.tokens);
+    assert_match_solo(&[long_done], &expected[..1], &["long".into()]);
+    assert!(finished(&short_done), "{:?}", short_done.end);
+    assert_eq!(
+        short_tokens, expected[1],
+        "the short request differs from its solo run"
+    );
+    let stats = wait_idle(&handles).await;
+    assert!(
+        stats.scheduler.multi_steps_cut_short >= 1,
+        "no multi-step decode was cut short: {:?}",
+        stats.scheduler
+    );
+}

@@ -236,9 +236,10 @@ pub struct AdmissionConfig {
     pub step_token_budget: usize,
     /// Decode steps the engine runs per scheduler step when every running sequence is
     /// decoding and nothing waits in the queue, feeding each sampled token back itself. More
-    /// than 1 divides the scheduling overhead between engine steps by that much; the cost is
-    /// that a request arriving meanwhile waits up to that many steps to be admitted, and a
-    /// sequence that stops early holds its pages until the batch's last step.
+    /// than 1 divides the scheduling overhead between engine steps by that much. A request
+    /// arriving (or cancelled) meanwhile ends the run after the decode step in flight, so it
+    /// waits one decode step to be admitted, as with 1; the cost left is that a sequence that
+    /// stops early holds its pages, and its caller waits for its end, until the run's last step.
     pub decode_steps: usize,
     /// The longest an engine step should take, in milliseconds: prompt chunks are cut so that
     /// a step's predicted time stays under it (the prediction is learnt from the steps run so

@@ -85,6 +85,8 @@ pub struct SchedulerStats {
     pub steps: u64,
     /// Steps that handed the engine more than one decode step.
     pub multi_steps: u64,
+    /// Of those, the ones a request's arrival or cancellation cut short.
+    pub multi_steps_cut_short: u64,
     /// Steps that found nothing to do. Each was started on a readiness that was wrong; the
     /// loop then waits for the next event instead of spinning.
     pub idle_steps: u64,

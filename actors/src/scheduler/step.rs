@@ -992,6 +992,7 @@ impl Scheduler {
         let did_work = draft.changes > 0 || reply.is_some();
         let mut ended: Vec<(usize, End)> = Vec::new();
         if let Some(reply) = reply {
+            self.stats.multi_steps_cut_short += reply.cut_short as u64;
             if reply.forward.is_ok() && draft.sent_tokens > 0 {
                 self.step_time
                     .observe(draft.sent_tokens, reply.first_step_seconds);
