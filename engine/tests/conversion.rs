@@ -168,8 +168,14 @@ fn foreign_architectures_are_refused_by_name() {
     let gguf = GgufFile::open(&path).unwrap();
     let out = dir.path().join("out");
     std::fs::create_dir(&out).unwrap();
-    let err = engine::convert::convert(&gguf, &out, DType::F32, &indicatif::ProgressBar::hidden())
-        .unwrap_err();
+    let err = engine::convert::convert(
+        &gguf,
+        &out,
+        DType::F32,
+        false,
+        &indicatif::ProgressBar::hidden(),
+    )
+    .unwrap_err();
     assert!(
         err.to_string()
             .contains("architecture `gguf:phi3` is not supported"),

@@ -86,12 +86,15 @@ impl LlamaParams {
 }
 
 /// Writes the Hugging Face folder for `gguf` into `out_dir`, which must exist and be empty.
+/// With `keep_blocks`, matrices in Q4_1 or Q8_0 blocks stay in them (see
+/// [`crate::model::BlockType`]; only snapserve reads such a folder), the rest is `dtype`.
 ///
 /// `progress` advances by tensor elements converted; its length is set here.
 pub fn convert(
     gguf: &GgufFile,
     out_dir: &Path,
     dtype: DType,
+    keep_blocks: bool,
     progress: &ProgressBar,
 ) -> Result<()> {
     let params = LlamaParams::from_gguf(gguf)?;
@@ -99,6 +102,7 @@ pub fn convert(
         gguf,
         &params,
         dtype,
+        keep_blocks,
         &out_dir.join("model.safetensors"),
         progress,
     )?;

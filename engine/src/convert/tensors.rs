@@ -14,6 +14,7 @@ use super::{LlamaParams, conversion};
 use crate::dtype::DType;
 use crate::error::{EngineError, Result};
 use crate::gguf::{GgufFile, TensorInfo, dequant};
+use crate::model::BlockType;
 
 /// The Hugging Face name of a llama GGUF tensor, or `None` for a name it has no counterpart for.
 pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
@@ -58,15 +59,16 @@ fn permuted_heads(gguf_name: &str, params: &LlamaParams) -> Option<usize> {
     }
 }
 
-/// Undoes llama.cpp's rotary row permutation of a `[heads * head_dim, cols]` matrix.
+/// Undoes llama.cpp's rotary row permutation of a `[heads * head_dim, cols]` matrix (of
+/// elements, or of rows of quantized blocks: `cols` units a row).
 ///
 /// Within a head of `head_dim` rows, Hugging Face row `half * head_dim/2 + i` was stored at row
 /// `2 * i + half`.
-pub fn unpermute_rows(values: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+pub fn unpermute_rows<T: Copy + Default>(values: &[T], heads: usize, cols: usize) -> Vec<T> {
     let rows = values.len() / cols;
     let head_dim = rows / heads;
     let half_dim = head_dim / 2;
-    let mut out = vec![0f32; values.len()];
+    let mut out = vec![T::default(); values.len()];
     for h in 0..heads {
         for half in 0..2 {
             for i in 0..half_dim {
@@ -82,16 +84,21 @@ pub fn unpermute_rows(values: &[f32], heads: usize, cols: usize) -> Vec<f32> {
 
 struct Converted {
     name: String,
+    dtype: safetensors::Dtype,
     shape: Vec<usize>,
     bytes: Vec<u8>,
+    /// Set when the bytes are the GGUF's blocks, kept.
+    blocks: Option<BlockType>,
 }
 
-/// Dequantizes one tensor, restores the Hugging Face row order and encodes it as `dtype`.
+/// Dequantizes one tensor, restores the Hugging Face row order and encodes it as `dtype`; or,
+/// with `keep_blocks`, copies a matrix of Q4_1 or Q8_0 blocks as it is, rows reordered.
 fn convert_tensor(
     gguf: &GgufFile,
     info: &TensorInfo,
     params: &LlamaParams,
     dtype: DType,
+    keep_blocks: bool,
 ) -> Result<Converted> {
     let name = hf_tensor_name(&info.name).ok_or_else(|| {
         conversion(
@@ -100,6 +107,22 @@ fn convert_tensor(
         )
     })?;
     let bytes = gguf.tensor_bytes(info)?;
+    let blocks = BlockType::of_gguf(info.ty).filter(|_| keep_blocks && info.dims.len() == 2);
+    if let Some(ty) = blocks {
+        let shape = info.shape();
+        let row_bytes = shape[1] / 32 * ty.block_bytes();
+        let mut kept = bytes.to_vec();
+        if let Some(heads) = permuted_heads(&info.name, params) {
+            kept = unpermute_rows(&kept, heads, row_bytes);
+        }
+        return Ok(Converted {
+            name,
+            dtype: safetensors::Dtype::U8,
+            shape: vec![shape[0], row_bytes],
+            bytes: kept,
+            blocks: Some(ty),
+        });
+    }
     let mut values = vec![0f32; info.elements() as usize];
     if !dequant::dequantize(info.ty, bytes, &mut values) {
         return Err(EngineError::Tensor {
@@ -117,8 +140,10 @@ fn convert_tensor(
     dtype.encode_into(&values, &mut out);
     Ok(Converted {
         name,
+        dtype: dtype.to_safetensors(),
         shape: info.shape(),
         bytes: out,
+        blocks: None,
     })
 }
 
@@ -126,6 +151,7 @@ pub(super) fn write_safetensors(
     gguf: &GgufFile,
     params: &LlamaParams,
     dtype: DType,
+    keep_blocks: bool,
     path: &Path,
     progress: &ProgressBar,
 ) -> Result<()> {
@@ -133,18 +159,26 @@ pub(super) fn write_safetensors(
     progress.set_length(gguf.tensors.iter().map(TensorInfo::elements).sum());
     let mut converted = Vec::with_capacity(gguf.tensors.len());
     for info in &gguf.tensors {
-        converted.push(convert_tensor(gguf, info, params, dtype)?);
+        converted.push(convert_tensor(gguf, info, params, dtype, keep_blocks)?);
         progress.inc(info.elements());
     }
     let views = converted
         .iter()
         .map(|c| {
-            let view = TensorView::new(dtype.to_safetensors(), c.shape.clone(), &c.bytes)
+            let view = TensorView::new(c.dtype, c.shape.clone(), &c.bytes)
                 .expect("shape and byte length come from the same tensor");
             (c.name.clone(), view)
         })
         .collect::<Vec<_>>();
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let mut metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    for c in &converted {
+        if let Some(ty) = c.blocks {
+            metadata.insert(
+                format!("{}{}", BlockType::METADATA_PREFIX, c.name),
+                ty.name().to_string(),
+            );
+        }
+    }
     safetensors::serialize_to_file(views, Some(metadata), path).map_err(|e| EngineError::Tensor {
         path: path.to_path_buf(),
         name: "*".into(),

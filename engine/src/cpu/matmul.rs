@@ -17,69 +17,98 @@
 use half::bf16;
 use rayon::prelude::*;
 
-/// An element type weights are stored in. Each is widened to f32 exactly before its multiply-add,
-/// so a product with bf16 weights is bit-identical to the same product with those weights
-/// widened to f32 first: only the bytes read differ (half as many).
+/// A type weights are stored in: one element (f32, bf16) or a block of 32 (the GGUF's Q4_1 and
+/// Q8_0). Each weight is widened to f32 exactly before its multiply-add, so a product with
+/// narrow or quantized weights is bit-identical to the same product with those weights widened
+/// to f32 first: only the bytes read differ.
+///
+/// Rows are addressed by a pointer to their first unit and elements by their index in the row.
 pub trait Weight: Copy + Send + Sync + 'static {
-    fn to_f32(self) -> f32;
+    /// Elements one unit holds; a row's length must be a multiple of it.
+    const ELEMENTS: usize;
 
-    /// Eight consecutive weights as f32 lanes.
+    /// Element `i` of the row at `row`, widened.
     ///
     /// # Safety
-    /// `p` valid for 8 elements; the CPU must have AVX2.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// `row` valid for a row holding element `i`.
+    unsafe fn get(row: *const Self, i: usize) -> f32;
 
-    /// Sixteen consecutive weights as f32 lanes.
+    /// Elements `i..i + 16` (`i` a multiple of 16) as two registers of eight f32 lanes.
     ///
     /// # Safety
-    /// `p` valid for 16 elements; the CPU must have AVX-512F.
+    /// `row` valid for a row holding those elements; the CPU must have AVX2.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+    unsafe fn load16_avx2(
+        row: *const Self,
+        i: usize,
+    ) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256);
+
+    /// Elements `i..i + 16` (`i` a multiple of 16) as sixteen f32 lanes.
+    ///
+    /// # Safety
+    /// `row` valid for a row holding those elements; the CPU must have AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(row: *const Self, i: usize) -> std::arch::x86_64::__m512;
 }
 
 impl Weight for f32 {
+    const ELEMENTS: usize = 1;
+
     #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
+    unsafe fn get(row: *const f32, i: usize) -> f32 {
+        unsafe { *row.add(i) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
-        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    unsafe fn load16_avx2(
+        row: *const f32,
+        i: usize,
+    ) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256) {
+        use std::arch::x86_64::*;
+        unsafe { (_mm256_loadu_ps(row.add(i)), _mm256_loadu_ps(row.add(i + 8))) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
-        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    unsafe fn load16(row: *const f32, i: usize) -> std::arch::x86_64::__m512 {
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(row.add(i)) }
     }
 }
 
 impl Weight for bf16 {
+    const ELEMENTS: usize = 1;
+
     #[inline(always)]
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
+    unsafe fn get(row: *const bf16, i: usize) -> f32 {
+        unsafe { (*row.add(i)).to_f32() }
     }
 
     /// bf16 is the high half of an f32: widen each 16-bit word and shift it up.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load8(p: *const bf16) -> std::arch::x86_64::__m256 {
-        use std::arch::x86_64::*;
+    unsafe fn load16_avx2(
+        row: *const bf16,
+        i: usize,
+    ) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256) {
+        use std::arch::x86_64::{
+            _mm_loadu_si128, _mm256_castsi256_ps, _mm256_cvtepu16_epi32, _mm256_slli_epi32,
+        };
         unsafe {
-            let words = _mm_loadu_si128(p.cast());
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(words)))
+            let widen = |p: *const bf16| {
+                let words = _mm_loadu_si128(p.cast());
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(words)))
+            };
+            (widen(row.add(i)), widen(row.add(i + 8)))
         }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load16(p: *const bf16) -> std::arch::x86_64::__m512 {
+    unsafe fn load16(row: *const bf16, i: usize) -> std::arch::x86_64::__m512 {
         use std::arch::x86_64::*;
         unsafe {
-            let words = _mm256_loadu_si256(p.cast());
+            let words = _mm256_loadu_si256(row.add(i).cast());
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(words)))
         }
     }
@@ -88,6 +117,9 @@ impl Weight for bf16 {
 const LANES: usize = 16;
 /// Weight rows per parallel task.
 const BLOCK_ROWS: usize = 96;
+/// From this many input rows on, a task widens its quantized weight rows to f32 once and
+/// multiplies those: widening in the tiles would repeat it for every pair of input rows.
+const WIDEN_FIRST_ROWS: usize = 4;
 /// Input rows per tile.
 const TILE_ROWS: usize = 4;
 
@@ -109,6 +141,7 @@ impl Isa {
             }
             if std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
             {
                 return Isa::Avx2;
             }
@@ -126,7 +159,8 @@ impl Isa {
     }
 }
 
-/// Pointers into one tile: `rows` input rows and `cols` weight rows, all `k` long.
+/// Pointers into one tile: `rows` input rows and `cols` weight rows, all `k` long
+/// (`w_stride` counts the weight type's units, not elements).
 #[derive(Clone, Copy)]
 struct Tile<W> {
     x: *const f32,
@@ -194,20 +228,45 @@ pub fn matmul_with<W: Weight>(
 ) {
     assert!(isa.available(), "{isa:?} is not available on this CPU");
     assert_eq!(x.len(), rows * k, "x is [rows, k]");
-    assert_eq!(w.len(), n * k, "w is [n, k]");
+    assert_eq!(
+        k % W::ELEMENTS,
+        0,
+        "rows are whole units of the weight type"
+    );
+    let row_units = k / W::ELEMENTS;
+    assert_eq!(w.len(), n * row_units, "w is [n, k]");
     assert_eq!(out.len(), rows * n, "out is [rows, n]");
     let out_ptr = OutPtr(out.as_mut_ptr());
+    let widen_first = W::ELEMENTS > 1 && rows >= WIDEN_FIRST_ROWS;
     (0..n.div_ceil(BLOCK_ROWS))
         .into_par_iter()
         .for_each(|block| {
             let (first, last) = (block * BLOCK_ROWS, ((block + 1) * BLOCK_ROWS).min(n));
+            if widen_first {
+                let units = &w[first * row_units..last * row_units];
+                let wide = widen_rows(isa, units, last - first, k);
+                let tile = Tile {
+                    x: x.as_ptr(),
+                    w: wide.as_ptr(),
+                    out: out_ptr.at(first),
+                    k,
+                    x_stride: k,
+                    w_stride: k,
+                    out_stride: n,
+                    rows,
+                    cols: last - first,
+                };
+                // SAFETY: as below, with `wide` holding the block's rows widened.
+                unsafe { run_tiled(isa, tile) };
+                return;
+            }
             let tile = Tile {
                 x: x.as_ptr(),
-                w: w.as_ptr().wrapping_add(first * k),
+                w: w.as_ptr().wrapping_add(first * row_units),
                 out: out_ptr.at(first),
                 k,
                 x_stride: k,
-                w_stride: k,
+                w_stride: row_units,
                 out_stride: n,
                 rows,
                 cols: last - first,
@@ -216,6 +275,30 @@ pub fn matmul_with<W: Weight>(
             // matching columns of out; only this task writes columns first..last.
             unsafe { run_tiled(isa, tile) };
         });
+}
+
+/// `rows` rows of `k` weights each, widened to f32 (exactly: the values the tiles would use).
+fn widen_rows<W: Weight>(isa: Isa, w: &[W], rows: usize, k: usize) -> Vec<f32> {
+    assert_eq!(w.len() * W::ELEMENTS, rows * k, "whole rows");
+    let mut out = vec![0f32; rows * k];
+    let row_units = k / W::ELEMENTS;
+    for (r, wide) in out.chunks_exact_mut(k).enumerate() {
+        let row = w[r * row_units..].as_ptr();
+        match isa {
+            // SAFETY: `row` holds `k` elements (asserted above) and AVX2 is available.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512 if k.is_multiple_of(LANES) => unsafe {
+                x86::widen_avx2(row, wide)
+            },
+            // SAFETY: as above.
+            _ => {
+                for (i, v) in wide.iter_mut().enumerate() {
+                    *v = unsafe { W::get(row, i) };
+                }
+            }
+        }
+    }
+    out
 }
 
 /// `out[r * out_stride + c] = x_r · w_c` for `rows` vectors of `x` and `cols` vectors of `w`,
@@ -318,7 +401,7 @@ fn reduce_lanes(lanes: &[f32; LANES]) -> f32 {
 #[inline(always)]
 unsafe fn add_tail<W: Weight>(mut sum: f32, x: *const f32, w: *const W, k: usize) -> f32 {
     for i in k / LANES * LANES..k {
-        sum = unsafe { (*x.add(i)).mul_add((*w.add(i)).to_f32(), sum) };
+        sum = unsafe { (*x.add(i)).mul_add(W::get(w, i), sum) };
     }
     sum
 }
@@ -334,7 +417,7 @@ unsafe fn tile_portable<W: Weight>(t: Tile<W>) {
             let mut lanes = [0f32; LANES];
             for base in (0..t.k / LANES * LANES).step_by(LANES) {
                 for (l, lane) in lanes.iter_mut().enumerate() {
-                    let wl = unsafe { (*w.add(base + l)).to_f32() };
+                    let wl = unsafe { W::get(w, base + l) };
                     *lane = unsafe { (*x.add(base + l)).mul_add(wl, *lane) };
                 }
             }
@@ -374,6 +457,21 @@ mod x86 {
         unsafe {
             let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
             reduce8(_mm256_add_ps(_mm512_castps512_ps256(v), hi))
+        }
+    }
+
+    /// Widens one row of weights into `out` (its length a multiple of 16), 16 at a time.
+    ///
+    /// # Safety
+    /// `row` valid for `out.len()` elements; the CPU must have AVX2.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn widen_avx2<W: Weight>(row: *const W, out: &mut [f32]) {
+        unsafe {
+            for (i, chunk) in out.chunks_exact_mut(LANES).enumerate() {
+                let (lo, hi) = W::load16_avx2(row, i * LANES);
+                _mm256_storeu_ps(chunk.as_mut_ptr(), lo);
+                _mm256_storeu_ps(chunk.as_mut_ptr().add(8), hi);
+            }
         }
     }
 
@@ -423,7 +521,7 @@ mod x86 {
             while i + LANES <= k {
                 let mut wv = [_mm512_setzero_ps(); C];
                 for c in 0..C {
-                    wv[c] = W::load16(w.add(c * ws + i));
+                    wv[c] = W::load16(w.add(c * ws), i);
                 }
                 for r in 0..R {
                     let xv = _mm512_loadu_ps(x.add(r * xs + i));
@@ -455,7 +553,7 @@ mod x86 {
     /// rows, tiles of 2 × 2 elements keep their 8 accumulators in registers, so a weight row
     /// loaded once serves two input rows (BENCHMARKS.md: prefill 1.2-2× on 2 AVX2 cores); one
     /// input row (decode) runs element by element, which measured faster than a 1 × 2 tile.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn tile_avx2<W: Weight>(t: Tile<W>) {
         unsafe {
             if t.rows == 1 {
@@ -463,16 +561,9 @@ mod x86 {
                     let (x, w) = (t.x, t.w_row(c));
                     let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                     for base in (0..t.k / LANES * LANES).step_by(LANES) {
-                        lo = _mm256_fmadd_ps(
-                            _mm256_loadu_ps(x.add(base)),
-                            W::load8(w.add(base)),
-                            lo,
-                        );
-                        hi = _mm256_fmadd_ps(
-                            _mm256_loadu_ps(x.add(base + 8)),
-                            W::load8(w.add(base + 8)),
-                            hi,
-                        );
+                        let (wlo, whi) = W::load16_avx2(w, base);
+                        lo = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(base)), wlo, lo);
+                        hi = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(base + 8)), whi, hi);
                     }
                     *t.out_at(0, c) = add_tail(reduce8(_mm256_add_ps(lo, hi)), x, w, t.k);
                 }
@@ -500,7 +591,7 @@ mod x86 {
     }
 
     #[allow(clippy::needless_range_loop)]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn tile256<W: Weight, const R: usize, const C: usize>(t: Tile<W>) {
         unsafe {
@@ -512,8 +603,7 @@ mod x86 {
                 let mut wlo = [_mm256_setzero_ps(); C];
                 let mut whi = [_mm256_setzero_ps(); C];
                 for c in 0..C {
-                    wlo[c] = W::load8(w.add(c * ws + i));
-                    whi[c] = W::load8(w.add(c * ws + i + 8));
+                    (wlo[c], whi[c]) = W::load16_avx2(w.add(c * ws), i);
                 }
                 for r in 0..R {
                     let xlo = _mm256_loadu_ps(x.add(r * xs + i));

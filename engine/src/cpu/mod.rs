@@ -6,6 +6,7 @@
 //! Work is spread over a private rayon pool of `threads` threads.
 
 mod attention;
+pub mod blocks;
 pub mod kernels;
 pub mod matmul;
 #[cfg(test)]

@@ -1,28 +1,33 @@
-//! The CPU backend's weights, q/k/v and gate/up fused. Matrices stay bf16 where the checkpoint
-//! stores them so (a decode step reads half the bytes, and [`matmul`] widens each weight to f32
-//! exactly, so the products are the bits the f32 copy would give); everything else is decoded
-//! to f32 once.
+//! The CPU backend's weights, q/k/v and gate/up fused. Matrices stay bf16, or in their GGUF's
+//! Q4_1 or Q8_0 blocks, where the checkpoint stores them so (a decode step reads half the bytes,
+//! or a fifth, and [`matmul`] widens each weight to f32 exactly, so the products are the bits
+//! the f32 copy would give); everything else is decoded to f32 once.
 //!
 //! Fusing means one pass over the normalized activations feeds three (or two) projections:
 //! the rows of q, k and v (gate and up) are simply concatenated, since a weight is `[out, in]`.
 
 use half::bf16;
 
+use super::blocks::{BlockQ4_1, BlockQ8_0};
 use super::matmul::{self, Weight};
 use crate::error::Result;
-use crate::model::{ModelConfig, Weights};
+use crate::model::{BlockType, ModelConfig, Weights};
 
 /// A `[rows, cols]` weight matrix in the type it is kept in.
 pub enum Matrix {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
+    Q4_1(Vec<BlockQ4_1>),
+    Q8_0(Vec<BlockQ8_0>),
 }
 
 impl Matrix {
     pub fn bytes(&self) -> usize {
         match self {
-            Matrix::F32(w) => w.len() * 4,
-            Matrix::Bf16(w) => w.len() * 2,
+            Matrix::F32(w) => std::mem::size_of_val(w.as_slice()),
+            Matrix::Bf16(w) => std::mem::size_of_val(w.as_slice()),
+            Matrix::Q4_1(w) => std::mem::size_of_val(w.as_slice()),
+            Matrix::Q8_0(w) => std::mem::size_of_val(w.as_slice()),
         }
     }
 
@@ -31,17 +36,23 @@ impl Matrix {
         match self {
             Matrix::F32(w) => matmul::matmul(x, rows, k, w, n, out),
             Matrix::Bf16(w) => matmul::matmul(x, rows, k, w, n, out),
+            Matrix::Q4_1(w) => matmul::matmul(x, rows, k, w, n, out),
+            Matrix::Q8_0(w) => matmul::matmul(x, rows, k, w, n, out),
         }
     }
 
     /// Appends row `r` (of `cols`) as f32.
     pub fn extend_row(&self, r: usize, cols: usize, out: &mut Vec<f32>) {
-        fn widen<W: Weight>(row: &[W], out: &mut Vec<f32>) {
-            out.extend(row.iter().map(|w| w.to_f32()));
+        fn widen<W: Weight>(w: &[W], r: usize, cols: usize, out: &mut Vec<f32>) {
+            let row = &w[r * cols / W::ELEMENTS..(r + 1) * cols / W::ELEMENTS];
+            // SAFETY: `row` holds exactly `cols` elements.
+            out.extend((0..cols).map(|i| unsafe { W::get(row.as_ptr(), i) }));
         }
         match self {
             Matrix::F32(w) => out.extend_from_slice(&w[r * cols..(r + 1) * cols]),
-            Matrix::Bf16(w) => widen(&w[r * cols..(r + 1) * cols], out),
+            Matrix::Bf16(w) => widen(w, r, cols, out),
+            Matrix::Q4_1(w) => widen(w, r, cols, out),
+            Matrix::Q8_0(w) => widen(w, r, cols, out),
         }
     }
 }
@@ -116,9 +127,29 @@ impl CpuWeights {
     }
 }
 
-/// Named tensors of the given row counts as consecutive rows of one matrix: bf16 when every one
-/// is stored in bf16, else f32.
+/// Named tensors of the given row counts as consecutive rows of one matrix: in blocks of one
+/// type when every one is stored in them, bf16 when every one is stored in bf16, else f32.
 fn load_matrix(weights: &Weights, parts: &[(String, usize)], cols: usize) -> Result<Matrix> {
+    let blocks = parts
+        .iter()
+        .map(|(name, rows)| weights.blocks(name, &[*rows, cols]))
+        .collect::<Result<Vec<_>>>()?;
+    if let Some(Some((ty, _))) = blocks.first()
+        && blocks.iter().all(|b| b.is_some_and(|(t, _)| t == *ty))
+    {
+        let bytes: Vec<u8> = blocks
+            .iter()
+            .flat_map(|b| b.expect("all are blocks").1)
+            .copied()
+            .collect();
+        return Ok(match ty {
+            BlockType::Q4_1 => Matrix::Q4_1(BlockQ4_1::parse(&bytes)),
+            BlockType::Q8_0 => Matrix::Q8_0(BlockQ8_0::parse(&bytes)),
+        });
+    }
+    if blocks.iter().any(Option::is_some) {
+        return Ok(Matrix::F32(load_stacked(weights, parts, cols)?));
+    }
     let raw = parts
         .iter()
         .map(|(name, rows)| weights.raw(name, &[*rows, cols]))

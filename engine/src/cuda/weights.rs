@@ -259,13 +259,19 @@ impl GpuWeights {
 }
 
 /// The bf16 bytes of a checkpoint tensor: its own bytes when stored in bf16, else converted
-/// into `staging`.
+/// into `staging` (quantized blocks decoded first).
 fn bf16_bytes<'a>(
     checkpoint: &'a Weights,
     name: &str,
     shape: &[usize],
     staging: &'a mut Vec<u8>,
 ) -> Result<&'a [u8]> {
+    if checkpoint.blocks(name, shape)?.is_some() {
+        let values = checkpoint.load_f32(name, shape)?;
+        staging.clear();
+        DType::BF16.encode_into(&values, staging);
+        return Ok(staging);
+    }
     let (path, dtype, bytes) = checkpoint.raw(name, shape)?;
     let dtype = DType::from_safetensors(dtype).ok_or_else(|| EngineError::Tensor {
         path: path.to_path_buf(),

@@ -10,7 +10,7 @@ pub mod weights;
 use std::path::{Path, PathBuf};
 
 pub use config::{Architecture, ModelConfig, RopeScaling};
-pub use weights::Weights;
+pub use weights::{BlockType, Weights};
 
 use crate::chat::{ChatTemplate, special_token};
 use crate::error::{EngineError, Result};

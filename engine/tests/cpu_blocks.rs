@@ -1,0 +1,97 @@
+//! The CPU backend runs a folder converted with `--keep-blocks` on the GGUF's own Q4_1 and Q8_0
+//! blocks (a fifth of the bf16 bytes a decode step reads) and widens each weight exactly before
+//! its multiply-add, so on the real SmolLM2 its logits are the bits of the f32 conversion of the
+//! same GGUF.
+
+mod common;
+
+use cache::PageId;
+use engine::DType;
+use engine::backend::{Backend, LogitsWanted, RowPlan, StepPlan};
+use engine::cpu::{CpuBackend, CpuOptions};
+use engine::fetch::{self, FetchOptions};
+use engine::model::{BlockType, ModelFiles, Weights};
+
+fn backend(dir: &std::path::Path) -> CpuBackend {
+    let model = ModelFiles::open(dir).unwrap();
+    let options = CpuOptions {
+        threads: 2,
+        page_tokens: 16,
+        num_pages: 8,
+    };
+    CpuBackend::load(&model, &options).unwrap()
+}
+
+/// A 40-token prompt in one step, then three decode steps; the last position's logits each.
+fn logits(backend: &mut CpuBackend) -> Vec<Vec<f32>> {
+    let pages: Vec<PageId> = (0..4).map(|p| PageId(p * 2 + 1)).collect();
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 977 + 13) % 49_000 + 3).collect();
+    let mut out = Vec::new();
+    let mut step = |tokens: Vec<u32>, start_pos: usize| {
+        let plan = StepPlan {
+            rows: vec![RowPlan {
+                tokens,
+                start_pos,
+                pages: pages.clone(),
+                logits: LogitsWanted::Last,
+            }],
+        };
+        out.push(backend.step(&plan).unwrap().logits);
+    };
+    step(prompt.clone(), 0);
+    for (i, token) in [7u32, 990, 12].into_iter().enumerate() {
+        step(vec![token], prompt.len() + i);
+    }
+    out
+}
+
+#[test]
+fn smollm2_in_its_gguf_blocks_gives_the_logits_of_its_f32_conversion() {
+    let wide = common::smollm2(DType::F32);
+    let options = FetchOptions {
+        keep_blocks: true,
+        ..FetchOptions::new(common::cache_dir(), DType::F32)
+    };
+    let blocks = fetch::fetch(&fetch::SMOLLM2, &options).unwrap();
+    assert_ne!(blocks, wide);
+
+    let weights = Weights::open(&blocks).unwrap();
+    let kinds = |name: &str, shape: &[usize]| weights.blocks(name, shape).unwrap().map(|b| b.0);
+    assert_eq!(
+        kinds("model.layers.0.mlp.down_proj.weight", &[576, 1536]),
+        Some(BlockType::Q4_1)
+    );
+    assert_eq!(
+        kinds("model.embed_tokens.weight", &[49_152, 576]),
+        Some(BlockType::Q8_0)
+    );
+    assert_eq!(kinds("model.norm.weight", &[576]), None);
+    // Decoded on request, as the CUDA backend reads them: every tensor has the f32
+    // conversion's values.
+    let f32_weights = Weights::open(&wide).unwrap();
+    let mut names: Vec<&str> = f32_weights.names().collect();
+    names.sort_unstable();
+    assert_eq!(names.len(), 2 + 30 * 9, "SmolLM2's tensors");
+    for name in names {
+        let shape = f32_weights.shape(name).unwrap();
+        assert_eq!(
+            weights.load_f32(name, &shape).unwrap(),
+            f32_weights.load_f32(name, &shape).unwrap(),
+            "{name}"
+        );
+    }
+
+    let (mut narrow, mut full) = (backend(&blocks), backend(&wide));
+    let (bytes, wide_bytes) = (narrow.memory().weights_bytes, full.memory().weights_bytes);
+    assert!(
+        bytes * 4 < wide_bytes,
+        "blocks {bytes} bytes against f32 {wide_bytes}"
+    );
+    let (got, want) = (logits(&mut narrow), logits(&mut full));
+    assert_eq!(got.len(), want.len());
+    for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.len(), w.len());
+        let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "step {step}: logits differ from the f32 conversion's");
+    }
+}
