@@ -2,12 +2,13 @@
 //! reads) and widens each weight exactly before its multiply-add, so its logits are the bits the
 //! same checkpoint widened to f32 on disk gives.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::Path;
 
-use cache::PageId;
 use engine::DType;
-use engine::backend::{Backend, LogitsWanted, RowPlan, StepPlan};
+use engine::backend::{Backend, LogitsWanted};
 use engine::cpu::{CpuBackend, CpuOptions};
 use engine::model::ModelFiles;
 use engine::model::synthetic::{self, SyntheticSpec};
@@ -61,25 +62,8 @@ fn widen_to_f32(from: &Path, to: &Path) {
 
 /// A 37-token prompt in one step, then three decode steps; every logit of every step.
 fn logits(backend: &mut CpuBackend) -> Vec<Vec<f32>> {
-    let pages: Vec<PageId> = (0..3).map(|p| PageId(p * 2 + 1)).collect();
     let prompt: Vec<u32> = (0..37).map(|i| (i * 31 + 5) % 250 + 3).collect();
-    let mut out = Vec::new();
-    let mut step = |tokens: Vec<u32>, start_pos: usize| {
-        let plan = StepPlan {
-            rows: vec![RowPlan {
-                tokens,
-                start_pos,
-                pages: pages.clone(),
-                logits: LogitsWanted::All,
-            }],
-        };
-        out.push(backend.step(&plan).unwrap().logits);
-    };
-    step(prompt.clone(), 0);
-    for (i, token) in [7u32, 99, 12].into_iter().enumerate() {
-        step(vec![token], prompt.len() + i);
-    }
-    out
+    common::run_logits(backend, &prompt, &[7, 99, 12], LogitsWanted::All)
 }
 
 #[test]

@@ -5,9 +5,8 @@
 
 mod common;
 
-use cache::PageId;
 use engine::DType;
-use engine::backend::{Backend, LogitsWanted, RowPlan, StepPlan};
+use engine::backend::{Backend, LogitsWanted};
 use engine::cpu::{CpuBackend, CpuOptions};
 use engine::fetch::{self, FetchOptions};
 use engine::model::{BlockType, ModelFiles, Weights};
@@ -24,25 +23,8 @@ fn backend(dir: &std::path::Path) -> CpuBackend {
 
 /// A 40-token prompt in one step, then three decode steps; the last position's logits each.
 fn logits(backend: &mut CpuBackend) -> Vec<Vec<f32>> {
-    let pages: Vec<PageId> = (0..4).map(|p| PageId(p * 2 + 1)).collect();
     let prompt: Vec<u32> = (0..40).map(|i| (i * 977 + 13) % 49_000 + 3).collect();
-    let mut out = Vec::new();
-    let mut step = |tokens: Vec<u32>, start_pos: usize| {
-        let plan = StepPlan {
-            rows: vec![RowPlan {
-                tokens,
-                start_pos,
-                pages: pages.clone(),
-                logits: LogitsWanted::Last,
-            }],
-        };
-        out.push(backend.step(&plan).unwrap().logits);
-    };
-    step(prompt.clone(), 0);
-    for (i, token) in [7u32, 990, 12].into_iter().enumerate() {
-        step(vec![token], prompt.len() + i);
-    }
-    out
+    common::run_logits(backend, &prompt, &[7, 990, 12], LogitsWanted::Last)
 }
 
 #[test]

@@ -636,6 +636,35 @@ mod x86 {
     }
 }
 
+/// Asserts that a product over `w` gives, on every instruction set this CPU has, the bits of
+/// the same product over `widened` (the same weights as f32).
+#[cfg(test)]
+pub(crate) fn assert_widening_exact<W: Weight>(
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    w: &[W],
+    widened: &[f32],
+    n: usize,
+    label: &str,
+) {
+    for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512]
+        .into_iter()
+        .filter(|isa| isa.available())
+    {
+        let (mut narrow, mut wide) = (vec![f32::NAN; rows * n], vec![f32::NAN; rows * n]);
+        matmul_with(isa, x, rows, k, w, n, &mut narrow);
+        matmul_with(isa, x, rows, k, widened, n, &mut wide);
+        assert!(
+            narrow
+                .iter()
+                .zip(&wide)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{label}, {rows} rows, {isa:?}"
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -711,21 +740,7 @@ mod tests {
             .map(bf16::from_f32)
             .collect();
         let widened: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
-        for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512]
-            .into_iter()
-            .filter(|isa| isa.available())
-        {
-            let (mut narrow, mut wide) = (vec![f32::NAN; rows * n], vec![f32::NAN; rows * n]);
-            matmul_with(isa, &x, rows, k, &w, n, &mut narrow);
-            matmul_with(isa, &x, rows, k, &widened, n, &mut wide);
-            assert!(
-                narrow
-                    .iter()
-                    .zip(&wide)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{isa:?}"
-            );
-        }
+        assert_widening_exact(&x, rows, k, &w, &widened, n, "bf16");
     }
 
     #[test]

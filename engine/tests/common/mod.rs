@@ -1,13 +1,16 @@
 //! Shared by the engine's integration tests: the real SmolLM2 folder (fetched once into the
 //! model cache, as `snapserve fetch-model smollm2 --dtype f32` would) and the fixtures that
-//! `fixtures/make_smollm2_fixture.py` wrote from Hugging Face transformers.
+//! `fixtures/make_smollm2_fixture.py` wrote from Hugging Face transformers; and the logits of a
+//! short run, for tests that compare two ways of holding the same weights.
 
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use cache::PageId;
 use engine::DType;
+use engine::backend::{Backend, LogitsWanted, RowPlan, StepPlan};
 use engine::fetch::{self, FetchOptions};
 use safetensors::SafeTensors;
 
@@ -154,4 +157,32 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
+}
+
+/// The logits of `prompt` in one step, then of one decode step per token of `decode`, in the
+/// same four pages.
+pub fn run_logits(
+    backend: &mut dyn Backend,
+    prompt: &[u32],
+    decode: &[u32],
+    wanted: LogitsWanted,
+) -> Vec<Vec<f32>> {
+    let pages: Vec<PageId> = (0..4).map(|p| PageId(p * 2 + 1)).collect();
+    let mut out = Vec::new();
+    let mut step = |tokens: Vec<u32>, start_pos: usize| {
+        let plan = StepPlan {
+            rows: vec![RowPlan {
+                tokens,
+                start_pos,
+                pages: pages.clone(),
+                logits: wanted,
+            }],
+        };
+        out.push(backend.step(&plan).unwrap().logits);
+    };
+    step(prompt.to_vec(), 0);
+    for (i, &token) in decode.iter().enumerate() {
+        step(vec![token], prompt.len() + i);
+    }
+    out
 }
