@@ -102,6 +102,31 @@ impl Weight for BlockQ4_1 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
+    unsafe fn load32_avx2(row: *const Self, i: usize) -> [x86::__m256; 4] {
+        use std::arch::x86_64::*;
+        unsafe {
+            let block = &*row.add(i / 32);
+            let packed = _mm_loadu_si128(block.qs.as_ptr().cast());
+            let mask = _mm_set1_epi8(0x0f);
+            let (low, high) = (
+                _mm_and_si128(packed, mask),
+                _mm_and_si128(_mm_srli_epi16::<4>(packed), mask),
+            );
+            let (d, m) = (x86::widen8(block.d), x86::widen8(block.m));
+            let widen = |bytes: __m128i| {
+                _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), m)
+            };
+            [
+                widen(low),
+                widen(_mm_unpackhi_epi64(low, low)),
+                widen(high),
+                widen(_mm_unpackhi_epi64(high, high)),
+            ]
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
     unsafe fn load16(row: *const Self, i: usize) -> std::arch::x86_64::__m512 {
         use std::arch::x86_64::*;
         unsafe {

@@ -43,6 +43,21 @@ pub trait Weight: Copy + Send + Sync + 'static {
         i: usize,
     ) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256);
 
+    /// Elements `i..i + 32` (`i` a multiple of 32) as four registers of eight f32 lanes; block
+    /// types override it to unpack their block once.
+    ///
+    /// # Safety
+    /// As [`Weight::load16_avx2`].
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load32_avx2(row: *const Self, i: usize) -> [std::arch::x86_64::__m256; 4] {
+        unsafe {
+            let (a, b) = Self::load16_avx2(row, i);
+            let (c, d) = Self::load16_avx2(row, i + 16);
+            [a, b, c, d]
+        }
+    }
+
     /// Elements `i..i + 16` (`i` a multiple of 16) as sixteen f32 lanes.
     ///
     /// # Safety
@@ -564,6 +579,22 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn tile_avx2<W: Weight>(t: Tile<W>) {
         unsafe {
+            if t.rows == 1 && W::ELEMENTS == 32 {
+                // A block a step: its header and values are unpacked once.
+                for c in 0..t.cols {
+                    let (x, w) = (t.x, t.w_row(c));
+                    let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                    for base in (0..t.k).step_by(32) {
+                        let [w0, w1, w2, w3] = W::load32_avx2(w, base);
+                        lo = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(base)), w0, lo);
+                        hi = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(base + 8)), w1, hi);
+                        lo = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(base + 16)), w2, lo);
+                        hi = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(base + 24)), w3, hi);
+                    }
+                    *t.out_at(0, c) = reduce8(_mm256_add_ps(lo, hi));
+                }
+                return;
+            }
             if t.rows == 1 {
                 for c in 0..t.cols {
                     let (x, w) = (t.x, t.w_row(c));
