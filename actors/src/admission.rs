@@ -29,8 +29,8 @@ pub struct Admission {
     pool: Addr<KvPool>,
     store: Addr<SnapshotStore>,
     engine: Addr<Engine>,
-    /// The engine's interrupt ([`Engine::interrupt`]): raised by arrivals and cancellations,
-    /// lowered when a step is planned (which sees them).
+    /// The engine's interrupt ([`Engine::interrupt`]): raised by arrivals, cancellations and
+    /// ended back-offs, lowered when a step is planned (which sees them).
     interrupt: Arc<AtomicBool>,
     stepping: bool,
     wake: Option<SpawnHandle>,
@@ -59,7 +59,8 @@ impl Admission {
     }
 
     /// Starts a step if one can run, else arms the timer for the next back-off to end. Called
-    /// by every arrival and cancellation: during a step, it cuts a multi-step decode short.
+    /// by every arrival and cancellation, and by that timer: during a step, each cuts a
+    /// multi-step decode short, since the next step has new work to plan.
     fn kick(&mut self, ctx: &mut Context<Self>) {
         if self.stepping {
             self.interrupt.store(true, Ordering::Release);
