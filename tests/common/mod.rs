@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use engine::DType;
 use serde_json::Value;
 
-/// The SmolLM2 folder `snapserve serve` loads by default, fetched into the shared cache.
+/// The SmolLM2 bf16 folder (what `snapserve serve` loads by default on a GPU; the CPU default
+/// keeps the GGUF's blocks), fetched into the shared cache.
 pub fn smollm2() -> PathBuf {
     let cache = std::env::var_os("SNAPSERVE_CACHE")
         .map(PathBuf::from)
