@@ -420,13 +420,21 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
     if let Some(key) = args.admin_api_key.take() {
         policies.server.set_admin_api_key(key)?;
     }
-    let kind = args
+    let mut kind = args
         .backend
         .map_or(policies.engine.backend, BackendKind::from);
     let given = args.model.or(args.tokenizer);
-    let on_cpu = given.is_none()
-        && !args.random_weights
-        && select::resolve(kind, policies.engine.device) == Resolved::Cpu;
+    let mut on_cpu = false;
+    if given.is_none() && !args.random_weights {
+        // Which embedded folder to fetch depends on where it runs: decide `auto` once.
+        let resolved = select::resolve(kind, policies.engine.device);
+        on_cpu = resolved == Resolved::Cpu;
+        kind = if on_cpu {
+            BackendKind::Cpu
+        } else {
+            BackendKind::Cuda
+        };
+    }
     let dir = model_dir(cache_dir, given, DType::BF16, on_cpu)?;
     let files = ModelFiles::open(&dir)?;
     let cpu = CpuOptions::from_policies(
