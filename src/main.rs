@@ -74,6 +74,11 @@ struct BenchArgs {
     #[arg(long, default_value_t = 32)]
     decode_steps: usize,
 
+    /// Also time steps whose rows each verify a draft of N - 1 tokens after their last one
+    /// (speculative decoding; at most 8), next to each decode figure [default: off].
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=8))]
+    verify_width: u16,
+
     /// Runs per figure; the median is reported.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
@@ -783,6 +788,7 @@ fn bench(cache_dir: &Path, args: BenchArgs) -> Result<()> {
         decode_batches: args.batches.clone(),
         contexts: args.contexts.clone(),
         decode_steps: args.decode_steps,
+        verify_width: args.verify_width as usize,
         repeats: args.repeats,
         prefill_chunk: 512,
         seed: 0,

@@ -461,12 +461,19 @@ impl Engine {
         plan: &mut StepPlan,
         samplers: &mut [Option<Box<Sampler>>],
         row_steps: &[usize],
+        drafts: &[usize],
         first_step_seconds: &mut f64,
         cut_short: &mut bool,
     ) -> Result<SampledTokens, String> {
         let rows = plan.rows.len();
         if rows == 0 {
             return Ok(SampledTokens::default());
+        }
+        if !drafts.is_empty() {
+            if !row_steps.is_empty() {
+                return Err("a step cannot both verify drafts and decode several steps".into());
+            }
+            return self.verify(plan, samplers, drafts, first_step_seconds);
         }
         let steps = row_steps.iter().copied().max().unwrap_or(1);
         if steps > 1 {
@@ -511,6 +518,33 @@ impl Engine {
             plan.rows.extend(all.into_iter().map(|(_, row)| row));
         }
         result.map(|()| sampled)
+    }
+
+    /// A step whose rows verify drafted tokens: each row's picks, the kept draft and the
+    /// token after it.
+    fn verify(
+        &mut self,
+        plan: &StepPlan,
+        samplers: &mut [Option<Box<Sampler>>],
+        drafts: &[usize],
+        first_step_seconds: &mut f64,
+    ) -> Result<SampledTokens, String> {
+        let mut lent: Vec<Option<&mut Sampler>> =
+            samplers.iter_mut().map(|s| s.as_deref_mut()).collect();
+        let started = std::time::Instant::now();
+        let picks = self
+            .backend
+            .step_and_verify(plan, &mut lent, drafts)
+            .map_err(|e| e.to_string())?;
+        *first_step_seconds = started.elapsed().as_secs_f64();
+        let stride = picks.iter().map(Vec::len).max().unwrap_or(1);
+        let mut sampled = SampledTokens::new(plan.rows.len(), stride);
+        for (i, row) in picks.into_iter().enumerate() {
+            for token in row {
+                sampled.push(i, token);
+            }
+        }
+        Ok(sampled)
     }
 
     /// Decode steps 2 and on of a multi-step decode. `order[r]` is the original index of plan
@@ -622,6 +656,7 @@ impl Engine {
             &mut step.plan,
             &mut step.samplers,
             &step.row_steps,
+            &step.drafts,
             &mut first_step_seconds,
             &mut cut_short,
         );

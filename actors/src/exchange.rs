@@ -25,6 +25,12 @@ pub enum PoolOp {
         handle: SlotHandle,
         tokens: usize,
     },
+    /// Cuts a sequence back to its first `tokens` positions (drafted tokens refused, a
+    /// multi-step decode ended early), freeing the pages past them.
+    Truncate {
+        handle: SlotHandle,
+        tokens: usize,
+    },
 }
 
 /// The answer to one [`PoolOp`], in the same position.
@@ -35,6 +41,8 @@ pub enum PoolReply {
     Admitted(Result<(SlotHandle, Vec<PageId>), CacheError>),
     /// The pages added, in order.
     Extended(Result<Vec<PageId>, CacheError>),
+    /// How many pages were freed.
+    Truncated(Result<usize, CacheError>),
 }
 
 /// One request to the store.
@@ -157,6 +165,10 @@ pub struct EngineStep {
     /// row `i` runs up to `row_steps[i]` decode steps, each fed the token the one before
     /// sampled, and stops early after a stop token of its sampler or the model's.
     pub row_steps: Vec<usize>,
+    /// Empty when no row verifies a draft. Otherwise one per plan row: how many of the row's
+    /// last tokens are drafted, to be kept while its sampler's picks agree with them
+    /// ([`engine::backend::Backend::step_and_verify`]). Never with `row_steps`.
+    pub drafts: Vec<usize>,
     pub saves: Vec<SaveCopy>,
 }
 

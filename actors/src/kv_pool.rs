@@ -45,10 +45,18 @@ impl KvPool {
         self.pool.stats()
     }
 
+    /// Positions the pool has allocated to a slot.
+    pub fn slot_tokens(&self, handle: cache::SlotHandle) -> Result<usize, cache::CacheError> {
+        self.pool.tokens(handle)
+    }
+
     /// Applies one change (the handler applies a step's in order).
     pub fn apply(&mut self, op: PoolOp) -> PoolReply {
         match op {
             PoolOp::Release(handle) => PoolReply::Released(self.pool.release(handle)),
+            PoolOp::Truncate { handle, tokens } => {
+                PoolReply::Truncated(self.pool.truncate(handle, tokens))
+            }
             PoolOp::Admit {
                 prompt_tokens,
                 max_new_tokens,

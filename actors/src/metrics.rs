@@ -75,6 +75,19 @@ fn describe() {
             "Multi-step decodes ended early because a request arrived or was cancelled.",
         ),
         (
+            "snapserve_speculative_draft_tokens_total",
+            "Tokens prompt lookup drafted for verification (speculative decoding).",
+        ),
+        (
+            "snapserve_speculative_accepted_tokens_total",
+            "Drafted tokens a verification kept.",
+        ),
+        (
+            "snapserve_speculative_verify_steps_total",
+            "Verifications of a draft, by how many drafted tokens they kept (label accepted, 0 to 7): \
+             the acceptance-length histogram.",
+        ),
+        (
             "snapserve_snapshot_hits_total",
             "Snapshot lookups that found a stored prefix.",
         ),
@@ -209,6 +222,12 @@ pub async fn render(handles: &Handles, prometheus: &PrometheusHandle) -> String 
     counter!("snapserve_scheduler_steps_total").absolute(scheduler.steps);
     counter!("snapserve_multi_step_steps_total").absolute(scheduler.multi_steps);
     counter!("snapserve_multi_step_cut_short_total").absolute(scheduler.multi_steps_cut_short);
+    counter!("snapserve_speculative_draft_tokens_total").absolute(scheduler.drafted_tokens);
+    counter!("snapserve_speculative_accepted_tokens_total").absolute(scheduler.accepted_tokens);
+    for (kept, &count) in scheduler.verified.iter().enumerate() {
+        counter!("snapserve_speculative_verify_steps_total", "accepted" => kept.to_string())
+            .absolute(count);
+    }
     for (tier, count) in ["device", "host", "disk"]
         .into_iter()
         .zip(scheduler.corrupt_restores)

@@ -151,6 +151,7 @@ pub fn build(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Parts, Se
         min_save_tokens: policies.snapshots.min_save_tokens(),
         save_replies: policies.snapshots.save_replies(),
         save_tier: Tier::Device,
+        speculative: policies.speculative.clone(),
         salt,
         seed: config.seed,
     });

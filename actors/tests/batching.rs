@@ -223,3 +223,62 @@ async fn an_arrival_cuts_a_multi_step_decode_short() {
         stats.scheduler
     );
 }
+
+/// Speculative decoding in the server: drafts from prompt lookup verified in the batched
+/// steps give every request exactly its solo tokens (greedy and seeded sampled ones, several
+/// at once, across page boundaries), keep some drafted tokens on prompts whose answer copies
+/// their input, and give back every page.
+#[actix_rt::test]
+async fn speculative_decoding_on_smollm2_gives_every_request_its_solo_tokens() {
+    let files = engine::model::ModelFiles::open(&smollm2()).unwrap();
+    let prompts = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../scripts/speculation_prompts.txt"
+    ))
+    .unwrap();
+    let texts: Vec<String> = prompts.lines().map(str::to_owned).collect();
+    assert!(texts.len() >= 3, "the shipped prompts are there");
+    let mut requests: Vec<GenerateRequest> = texts
+        .iter()
+        .chain(
+            PROMPTS[..3]
+                .iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .iter(),
+        )
+        .enumerate()
+        .map(|(i, text)| {
+            let chat = format!("<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n");
+            let mut params = greedy(40 + 3 * i);
+            if i % 3 == 2 {
+                params.temperature = 0.7;
+                params.seed = Some(7 + i as u64);
+            }
+            GenerateRequest {
+                prompt: files.tokenizer.encode_rendered(&chat).unwrap(),
+                params,
+            }
+        })
+        .collect();
+    requests.truncate(6);
+    let expected: Vec<Vec<u32>> = requests.iter().map(|r| solo(&files, r)).collect();
+    let config = serve_config(
+        &files,
+        policies(
+            "[admission]\nmax_running = 8\nstep_token_budget = 256\n\
+             [speculative]\nmethod = \"prompt_lookup\"\n",
+        ),
+    );
+    let handles = actors::start(Box::new(cpu_backend(&files, 96)), config).unwrap();
+    let completions = run_all(&handles, &requests).await;
+    assert_match_solo(&completions, &expected, &texts);
+    let stats = wait_idle(&handles).await;
+    let scheduler = stats.scheduler;
+    let verified: u64 = scheduler.verified.iter().sum();
+    assert!(
+        scheduler.accepted_tokens > 0 && verified > 0,
+        "no drafted token was kept: {scheduler:?}"
+    );
+    assert!(scheduler.accepted_tokens <= scheduler.drafted_tokens);
+}

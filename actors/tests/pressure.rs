@@ -122,3 +122,26 @@ async fn with_on_exhausted_fail_starved_jobs_fail_clearly_and_the_server_keeps_s
     assert_eq!(completion.tokens, expected);
     wait_idle(&handles).await;
 }
+
+/// Verifying drafts needs pages for the drafted positions: in a crowded pool, jobs still back
+/// off, are preempted and restored, give back what a verification refused, and finish with
+/// their solo tokens.
+#[actix_rt::test]
+async fn under_pressure_speculative_decoding_still_gives_every_job_its_tokens() {
+    let model = TinyModel::new();
+    let vocab = model.files.config.vocab_size;
+    let requests = crowding(vocab, |i| 57 + i);
+    let expected: Vec<Vec<u32>> = requests.iter().map(|r| solo(&model.files, r)).collect();
+    let toml = crowded("preempt") + "[speculative]\nmethod = \"prompt_lookup\"\n";
+    let config = serve_config(&model.files, policies(&toml));
+    let handles = actors::start(Box::new(cpu_backend(&model.files, 24)), config).unwrap();
+    let completions = run_all(&handles, &requests).await;
+    assert_match_solo(&completions, &expected, &[]);
+    let stats = wait_idle(&handles).await;
+    let scheduler = stats.scheduler;
+    assert_eq!(scheduler.finished, 8, "{scheduler:?}");
+    assert!(
+        scheduler.drafted_tokens > 0 && scheduler.backoffs > 0 && scheduler.preemptions > 0,
+        "the pool was crowded and drafts were verified: {scheduler:?}"
+    );
+}

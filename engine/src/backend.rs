@@ -117,6 +117,88 @@ impl StepPlan {
     }
 }
 
+/// [`Backend::step_and_verify`] with every pick made on the host, from the step's logits.
+pub fn verify_on_host<B: Backend + ?Sized>(
+    backend: &mut B,
+    plan: &StepPlan,
+    samplers: &mut [Option<&mut Sampler>],
+    drafts: &[usize],
+) -> Result<Vec<Vec<u32>>> {
+    check_verify(plan, samplers, drafts)?;
+    let mut output = backend.step(plan)?;
+    let vocab = output.vocab_size;
+    let mut picks = Vec::with_capacity(samplers.len());
+    for (row, sampler) in samplers.iter_mut().enumerate() {
+        let Some(sampler) = sampler else {
+            picks.push(Vec::new());
+            continue;
+        };
+        let range = output.row_ranges[row].clone();
+        let logits = &mut output.logits[range.start * vocab..range.end * vocab];
+        picks.push(verify_row(&plan.rows[row], drafts[row], |k| {
+            let at = range.len() - 1 - drafts[row] + k;
+            sampler.sample(&mut logits[at * vocab..(at + 1) * vocab])
+        }));
+    }
+    Ok(picks)
+}
+
+/// One row's picks in a verification: `pick(k)` is the pick after the row's last undrafted
+/// token and the first `k` drafted ones; picking stops after the first that differs from the
+/// draft, or after the last.
+pub fn verify_row(row: &RowPlan, drafted: usize, mut pick: impl FnMut(usize) -> u32) -> Vec<u32> {
+    let draft = &row.tokens[row.tokens.len() - drafted..];
+    let mut picked = Vec::with_capacity(drafted + 1);
+    for k in 0..=drafted {
+        let token = pick(k);
+        picked.push(token);
+        if draft.get(k) != Some(&token) {
+            break;
+        }
+    }
+    picked
+}
+
+/// Checks a verification step's shape ([`Backend::step_and_verify`]): one draft count and one
+/// sampler slot per row; a row with a draft has a sampler, asks for every logit and holds at
+/// least one token before its draft.
+pub fn check_verify(
+    plan: &StepPlan,
+    samplers: &[Option<&mut Sampler>],
+    drafts: &[usize],
+) -> Result<()> {
+    if samplers.len() != plan.rows.len() || drafts.len() != plan.rows.len() {
+        return Err(EngineError::InvalidStep(format!(
+            "{} samplers and {} draft counts for {} rows",
+            samplers.len(),
+            drafts.len(),
+            plan.rows.len()
+        )));
+    }
+    for (i, ((row, sampler), &draft)) in plan.rows.iter().zip(samplers).zip(drafts).enumerate() {
+        let fail = |reason: &str| Err(EngineError::InvalidStep(format!("row {i}: {reason}")));
+        if sampler.is_some() && row.logits == LogitsWanted::None {
+            return fail("it has a sampler but asks for no logits");
+        }
+        if draft == 0 {
+            continue;
+        }
+        if sampler.is_none() {
+            return fail("it has a draft to verify but no sampler");
+        }
+        if row.logits != LogitsWanted::All {
+            return fail("it has a draft to verify but does not ask for every logit");
+        }
+        if draft >= row.tokens.len() {
+            return fail(&format!(
+                "a draft of {draft} needs a token before it; the row has {}",
+                row.tokens.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The largest page id in a page table (compiled for wide vectors: it runs over every page of
 /// every row of every step).
 #[multiversion::multiversion(targets("x86_64+avx512f", "x86_64+avx2"))]
@@ -209,6 +291,23 @@ pub trait Backend: Send {
             });
         }
         Ok(tokens)
+    }
+
+    /// Runs one step in which rows may verify drafted tokens: the last `drafts[i]` tokens of
+    /// row `i` were proposed (by a [`crate::speculative::DraftSource`]), not sampled, and such
+    /// a row asks for the logits after every token. Its sampler picks at each drafted position
+    /// in turn, exactly as it would one step at a time (grammar, seeded draws and logprobs
+    /// included), for as long as its pick equals the next drafted token: the picks returned
+    /// are the kept draft and the token after it. Rows without a draft pick once, from their
+    /// last logits; rows without a sampler get nothing. Backends that can pick on the device
+    /// override this; the default picks on the host.
+    fn step_and_verify(
+        &mut self,
+        plan: &StepPlan,
+        samplers: &mut [Option<&mut Sampler>],
+        drafts: &[usize],
+    ) -> Result<Vec<Vec<u32>>> {
+        verify_on_host(self, plan, samplers, drafts)
     }
 
     /// Kernels the last [`Backend::step_and_sample`] launched, where the backend counted every

@@ -26,6 +26,9 @@ pub struct BenchSpec {
     pub decode_batches: Vec<usize>,
     pub contexts: Vec<usize>,
     pub decode_steps: usize,
+    /// When above 1: after each decode figure, steps whose rows each verify a draft of
+    /// `verify_width - 1` tokens after their last one, timed the same way.
+    pub verify_width: usize,
     pub repeats: usize,
     /// Largest prefill step when filling decode contexts.
     pub prefill_chunk: usize,
@@ -35,7 +38,7 @@ pub struct BenchSpec {
 impl BenchSpec {
     /// Positions one decode sequence reaches at `context`.
     fn positions_per_sequence(&self, context: usize) -> usize {
-        context + (self.repeats.max(1) * self.decode_steps) + 1
+        context + (self.repeats.max(1) * self.decode_steps) + 1 + self.verify_width
     }
 
     /// Positions the largest configuration needs at once (sizes a KV pool).
@@ -53,7 +56,9 @@ impl BenchSpec {
     pub fn max_step_tokens(&self) -> usize {
         let prefill = self.prompt_lengths.iter().copied().max().unwrap_or(0);
         let batch = self.decode_batches.iter().copied().max().unwrap_or(0);
-        prefill.max(self.prefill_chunk).max(batch)
+        prefill
+            .max(self.prefill_chunk)
+            .max(batch * self.verify_width.max(1))
     }
 }
 
@@ -72,6 +77,15 @@ pub enum BenchRow {
         step: Duration,
         /// Kernels one step launched, where the backend counts them.
         kernels: Option<usize>,
+    },
+    /// Steps verifying a draft per row (speculative decoding), next to the decode step of the
+    /// same batch and context.
+    Verify {
+        batch: usize,
+        context: usize,
+        width: usize,
+        step: Duration,
+        decode_step: Duration,
     },
     /// A configuration the backend cannot hold.
     Skipped { what: String, reason: String },
@@ -108,6 +122,19 @@ impl std::fmt::Display for BenchRow {
                     None => Ok(()),
                 }
             }
+            BenchRow::Verify {
+                batch,
+                context,
+                width,
+                step,
+                decode_step,
+            } => write!(
+                f,
+                "verify   batch {batch:>4}  context {context:>6}  width {width}  {:>9.3} ms/step  \
+                 {:.2}x a decode step",
+                step.as_secs_f64() * 1e3,
+                step.as_secs_f64() / decode_step.as_secs_f64()
+            ),
             BenchRow::Skipped { what, reason } => write!(f, "{what}: skipped ({reason})"),
         }
     }
@@ -144,7 +171,24 @@ pub fn run(
     }
     for &context in &spec.contexts {
         for &batch in &spec.decode_batches {
-            report(decode(backend, &mut rng, spec, batch, context)?);
+            let row = decode(backend, &mut rng, spec, batch, context)?;
+            let decode_step = match row {
+                BenchRow::Decode { step, .. } => Some(step),
+                _ => None,
+            };
+            report(row);
+            if let Some(decode_step) = decode_step
+                && spec.verify_width > 1
+            {
+                report(verify(
+                    backend,
+                    &mut rng,
+                    spec,
+                    batch,
+                    context,
+                    decode_step,
+                )?);
+            }
         }
     }
     Ok(rows)
@@ -267,6 +311,56 @@ fn decode(
         tokens_per_s: batch as f64 / step.as_secs_f64(),
         step,
         kernels: backend.last_step_kernels(),
+    })
+}
+
+/// Measures steps of `batch` rows that each verify a draft of `verify_width - 1` random tokens
+/// at `context` (the sequences [`decode`] left; every step rewrites the same positions), picked
+/// greedily as the server's verification does.
+fn verify(
+    backend: &mut dyn Backend,
+    rng: &mut ChaCha8Rng,
+    spec: &BenchSpec,
+    batch: usize,
+    context: usize,
+    decode_step: Duration,
+) -> Result<BenchRow> {
+    let geometry = backend.info().geometry;
+    let per_seq = geometry.pages_for(spec.positions_per_sequence(context));
+    let vocab = backend.info().vocab_size;
+    let width = spec.verify_width;
+    let start_pos = context + spec.repeats.max(1) * spec.decode_steps + 1;
+    let step = |backend: &mut dyn Backend, rng: &mut ChaCha8Rng| -> Result<()> {
+        let rows = (0..batch)
+            .map(|s| RowPlan {
+                tokens: random_tokens(rng, vocab, width),
+                start_pos,
+                pages: (0..per_seq)
+                    .map(|i| PageId((s * per_seq + i) as u32))
+                    .collect(),
+                logits: LogitsWanted::All,
+            })
+            .collect();
+        let mut samplers: Vec<Sampler> = (0..batch).map(|_| greedy()).collect();
+        let mut slots: Vec<Option<&mut Sampler>> = samplers.iter_mut().map(Some).collect();
+        backend.step_and_verify(&StepPlan { rows }, &mut slots, &vec![width - 1; batch])?;
+        Ok(())
+    };
+    step(backend, rng)?; // warm-up
+    let mut runs = Vec::new();
+    for _ in 0..spec.repeats.max(1) {
+        let started = Instant::now();
+        for _ in 0..spec.decode_steps {
+            step(backend, rng)?;
+        }
+        runs.push(started.elapsed() / spec.decode_steps.max(1) as u32);
+    }
+    Ok(BenchRow::Verify {
+        batch,
+        context,
+        width,
+        step: median(runs),
+        decode_step,
     })
 }
 

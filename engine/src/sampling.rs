@@ -452,13 +452,24 @@ impl Sampler {
     /// Records a generated token, for the penalties of later steps.
     pub fn accept(&mut self, token: u32) {
         // Only the penalties read the history; greedy and plain sampling skip the map.
-        let params = &self.params;
-        if params.repetition_penalty != 1.0
-            || params.presence_penalty != 0.0
-            || params.frequency_penalty != 0.0
-        {
+        if self.reads_history() {
             *self.output_counts.entry(token).or_insert(0) += 1;
         }
+    }
+
+    /// Whether a device's own greedy pick is this sampler's pick: greedy, nothing only the
+    /// host can apply, and no grammar.
+    pub fn greedy_on_device(&self) -> bool {
+        self.params.temperature == 0.0 && !self.needs_host() && self.constraint.is_none()
+    }
+
+    /// Whether a pick depends on the tokens [`Sampler::accept`] recorded (penalties): such a
+    /// sampler picks one token per step, each accepted before the next is picked.
+    pub fn reads_history(&self) -> bool {
+        let params = &self.params;
+        params.repetition_penalty != 1.0
+            || params.presence_penalty != 0.0
+            || params.frequency_penalty != 0.0
     }
 
     fn apply_penalties(&self, logits: &mut [f32]) {

@@ -17,8 +17,12 @@
 //!   mass on the proposed token), so keeping `x` happens with probability `p(x)` and the
 //!   residual is `p` with `x` removed.
 //!
-//! Not wired into the scheduler yet (issue 14): the verification step, the pool's rollback of
-//! refused positions and the CUDA graphs for verify widths come next.
+//! In practice both rules are one: the sampler picks at each drafted position in turn, exactly
+//! as it would one step at a time, and a drafted token is kept while the pick equals it
+//! ([`crate::backend::Backend::step_and_verify`]). With a deterministic draft that is the
+//! rejection rule above, and a seeded request draws the very same numbers as without drafts.
+//! `generate --speculate` runs it for one sequence; the server's scheduler drafts for each
+//! decoding request and verifies the drafts inside its batched steps (`[speculative]`).
 
 /// Something that proposes the tokens likely to follow a sequence.
 pub trait DraftSource: Send {
@@ -51,9 +55,20 @@ impl DraftSource for PromptLookup {
                 .rev()
                 .find(|&start| &context[start..start + n] == tail);
             if let Some(start) = found {
+                // What followed the match; where that runs into the end of the context, the
+                // proposal goes on by the same period (its own first tokens), so a repeating
+                // run is drafted whole.
                 let from = start + n;
-                let to = (from + max).min(len);
-                return context[from..to].to_vec();
+                let mut proposal = Vec::with_capacity(max);
+                for i in 0..max {
+                    let at = from + i;
+                    proposal.push(if at < len {
+                        context[at]
+                    } else {
+                        proposal[at - len]
+                    });
+                }
+                return proposal;
             }
         }
         Vec::new()
@@ -170,7 +185,9 @@ mod tests {
         // "a b c d a b c" → the trigram "a b c" occurred at 0, followed by "d a b c".
         let context = [1, 2, 3, 4, 1, 2, 3];
         assert_eq!(lookup.propose(&context, 3), vec![4, 1, 2]);
-        assert_eq!(lookup.propose(&context, 10), vec![4, 1, 2, 3]);
+        // Past the end of the context it goes on by the match's period.
+        assert_eq!(lookup.propose(&context, 6), vec![4, 1, 2, 3, 4, 1]);
+        assert_eq!(lookup.propose(&[8, 5, 5, 5], 4), vec![5, 5, 5, 5]);
         // The latest occurrence wins: "9" was followed by 5 once and by 6 later.
         assert_eq!(lookup.propose(&[9, 5, 9, 6, 9], 1), vec![6]);
         // No earlier occurrence of any n-gram: no draft.

@@ -274,3 +274,78 @@ fn seeded_sampling_on_the_gpu_is_reproducible() {
     assert_eq!(host, run(&penalized));
     println!("sampled on the GPU: {first:?}; with a repetition penalty, on the host: {host:?}");
 }
+
+/// A verification step picks on the device what the host picks from the same step's logits:
+/// the kept draft and the token after it, beside a plain decode row, on the SmolLM2 shape.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_verification_picks_what_the_host_picks() {
+    let (_dir, files) = model(&SyntheticSpec::smollm2(22));
+    let mut gpu = cuda(&files, true);
+    let greedy = || Sampler::new(&SamplingParams::default(), &[]);
+    let prefill = |gpu: &mut CudaBackend, seed: u32, first: u32| {
+        let row = RowPlan {
+            tokens: prompt(seed, 25),
+            start_pos: 0,
+            pages: pages(first, 4),
+            logits: LogitsWanted::None,
+        };
+        gpu.step(&StepPlan { rows: vec![row] }).unwrap();
+    };
+    prefill(&mut gpu, 6, 0);
+    prefill(&mut gpu, 7, 1);
+    let verify_row = |draft: &[u32]| RowPlan {
+        tokens: [&[9u32][..], draft].concat(),
+        start_pos: 25,
+        pages: pages(0, 4),
+        logits: LogitsWanted::All,
+    };
+    // The greedy continuation after token 9, found a token per host verification: a draft of
+    // what is known so far, then tokens that are (almost surely) wrong.
+    let mut known: Vec<u32> = Vec::new();
+    for _ in 0..4 {
+        let mut draft = known.clone();
+        draft.resize(7, 5);
+        let plan = StepPlan {
+            rows: vec![verify_row(&draft)],
+        };
+        let mut sampler = greedy();
+        let picks =
+            engine::backend::verify_on_host(&mut gpu, &plan, &mut [Some(&mut sampler)], &[7])
+                .unwrap();
+        known = picks[0].clone();
+    }
+    assert!(
+        known.len() >= 4,
+        "the first draft tokens were kept: {known:?}"
+    );
+    let mut draft = known[..4].to_vec();
+    draft.resize(7, 5);
+    let decode_row = RowPlan {
+        tokens: vec![11],
+        start_pos: 25,
+        pages: pages(1, 4),
+        logits: LogitsWanted::Last,
+    };
+    let plan = StepPlan {
+        rows: vec![verify_row(&draft), decode_row],
+    };
+    let run = |gpu: &mut CudaBackend, on_device: bool| {
+        let (mut a, mut b) = (greedy(), greedy());
+        let mut samplers = [Some(&mut a), Some(&mut b)];
+        if on_device {
+            gpu.step_and_verify(&plan, &mut samplers, &[7, 0]).unwrap()
+        } else {
+            engine::backend::verify_on_host(gpu, &plan, &mut samplers, &[7, 0]).unwrap()
+        }
+    };
+    let device = run(&mut gpu, true);
+    let host = run(&mut gpu, false);
+    assert_eq!(device, host);
+    assert!(
+        device[0].len() >= 5 && device[0][..4] == known[..4],
+        "{device:?}"
+    );
+    assert_eq!(device[1].len(), 1);
+    println!("verified on the device: {device:?}");
+}

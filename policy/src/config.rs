@@ -45,7 +45,7 @@ pub enum SpeculativeMethod {
     PromptLookup,
 }
 
-/// `[speculative]`: speculative decoding (issue 14; the scheduler does not use it yet).
+/// `[speculative]`: speculative decoding, drafts verified inside the scheduler's steps.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SpeculativeConfig {

@@ -70,6 +70,9 @@ pub(crate) struct Job {
     pub cut: bool,
     pub submitted_at: Instant,
     pub usage: Usage,
+    /// The most tokens its next draft may propose (speculative decoding): one more than the
+    /// last verification kept, so it follows how well drafts have fared.
+    pub draft_len: usize,
 }
 
 impl Job {
@@ -112,6 +115,7 @@ impl Job {
             cut: false,
             submitted_at,
             usage,
+            draft_len: policy::MAX_VERIFY_WIDTH - 1,
         }
     }
 

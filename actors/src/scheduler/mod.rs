@@ -64,6 +64,8 @@ pub struct SchedulerConfig {
     /// Save a finished request's prompt and reply when its prompt was saved or restored.
     pub save_replies: bool,
     pub save_tier: Tier,
+    /// Speculative decoding: drafts by prompt lookup, verified in the steps.
+    pub speculative: policy::SpeculativeConfig,
     pub salt: PrefixSalt,
     /// Seeds back-off jitter, so tests replay exactly.
     pub seed: u64,
@@ -100,6 +102,11 @@ pub struct SchedulerStats {
     /// read (device, host, disk: a file refused when read back); each request recomputed its
     /// prompt.
     pub corrupt_restores: [u64; 3],
+    /// Speculative decoding: tokens drafted, drafted tokens kept, and verifications by how
+    /// many drafted tokens they kept (index 0: none).
+    pub drafted_tokens: u64,
+    pub accepted_tokens: u64,
+    pub verified: [u64; policy::MAX_VERIFY_WIDTH],
     pub queued: usize,
     pub running: usize,
 }
@@ -143,6 +150,9 @@ pub struct Scheduler {
     running: Vec<Job>,
     /// Deferred to the next step's pool exchange: slots whose pages may be freed.
     releases: Vec<cache::SlotHandle>,
+    /// Deferred to the next step's pool exchange, before the releases: slots to cut back to
+    /// so many positions (what a verification refused).
+    truncates: Vec<(cache::SlotHandle, usize)>,
     /// Deferred to the next step's store exchange.
     follow_ups: Vec<StoreFollowUp>,
     draft: Option<Draft>,
@@ -181,6 +191,7 @@ impl Scheduler {
             queue: VecDeque::new(),
             running: Vec::new(),
             releases: Vec::new(),
+            truncates: Vec::new(),
             follow_ups: Vec::new(),
             draft: None,
             spare_rows: Vec::new(),
@@ -372,7 +383,8 @@ impl Scheduler {
 
     /// Whether a step could do something now, and else when one could.
     pub fn readiness(&self, now: Instant) -> (bool, Option<Instant>) {
-        let pending_work = !self.releases.is_empty() || !self.follow_ups.is_empty();
+        let pending_work =
+            !self.releases.is_empty() || !self.truncates.is_empty() || !self.follow_ups.is_empty();
         let runnable = self.running.iter().any(|j| {
             j.closing || j.cancelled || j.cut || j.abandoned() || (j.ready(now) && j.pending() > 0)
         });

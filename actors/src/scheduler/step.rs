@@ -32,14 +32,31 @@ struct Row {
     end: usize,
     /// Decode steps the engine runs for it (1 but in a multi-step decode).
     steps: usize,
+    /// Drafted tokens it verifies after its token (speculative decoding): the draft buffer's
+    /// `draft_at..draft_at + draft`.
+    draft: usize,
+    draft_at: usize,
     /// Dropped when the pool could not extend the job.
     live: bool,
 }
 
 impl Row {
-    /// The end of the positions it may write: one more per extra decode step.
+    fn new(job: usize, start: usize, end: usize) -> Self {
+        Row {
+            job,
+            start,
+            end,
+            steps: 1,
+            draft: 0,
+            draft_at: 0,
+            live: true,
+        }
+    }
+
+    /// The end of the positions it may write: one more per extra decode step or drafted
+    /// token.
     fn reach(&self) -> usize {
-        self.end + self.steps - 1
+        self.end + self.steps - 1 + self.draft
     }
 }
 
@@ -87,6 +104,7 @@ impl StoreFollowUp {
 /// What each pool operation of the step was for.
 #[derive(Debug, Clone, Copy)]
 enum PoolPurpose {
+    Truncate,
     Release,
     Extend(usize),
     Admit(usize),
@@ -105,6 +123,8 @@ enum StorePurpose {
 #[derive(Default)]
 pub(super) struct Draft {
     rows: Vec<Row>,
+    /// The drafted tokens of every row, each row's run at its `draft_at`.
+    drafted: Vec<u32>,
     /// How many of phase 1's store operations were follow-ups of the last step.
     follow_ups: usize,
     /// Jobs taken from the queue to admit, with their lookup hit and the prompt tokens they
@@ -161,9 +181,11 @@ impl Scheduler {
     pub fn begin_step(&mut self, now: Instant) -> Vec<StoreOp> {
         assert!(self.draft.is_none(), "one step at a time");
         let swept = self.sweep_cancelled();
-        let (rows, prefill_left) = self.plan_rows(now);
+        let mut drafted = Vec::new();
+        let (rows, prefill_left) = self.plan_rows(now, &mut drafted);
         let mut draft = Draft {
             rows,
+            drafted,
             prefill_left,
             changes: swept,
             ..Draft::default()
@@ -272,9 +294,14 @@ impl Scheduler {
     /// no more steps than its job may still generate.
     fn plan_decode_steps(&self, rows: &mut [Row]) {
         let k = self.config.decode_steps;
-        let pure_decode = rows
-            .iter()
-            .all(|row| row.end - row.start == 1 && row.end == self.running[row.job].tokens.len());
+        // Samplers that read their history need each token accepted before the next pick.
+        let pure_decode = rows.iter().all(|row| {
+            let job = &self.running[row.job];
+            row.end - row.start == 1
+                && row.draft == 0
+                && row.end == job.tokens.len()
+                && job.sampler.as_ref().is_some_and(|s| !s.reads_history())
+        });
         if k <= 1 || rows.is_empty() || !pure_decode {
             return;
         }
@@ -372,47 +399,94 @@ impl Scheduler {
         swept + before - self.queue.len()
     }
 
-    /// One-token rows first; then prompt chunks, the fewest pending tokens first, so that a
-    /// short prompt never waits behind a long one's prefill. Prompt chunks share what is left
-    /// of the step's budget ([`Scheduler::prefill_budget`]); what they leave is returned, for
-    /// the first chunks of the jobs admitted this step.
-    fn plan_rows(&self, now: Instant) -> (Vec<Row>, usize) {
+    /// One-token rows first, each with its draft when speculating ([`Scheduler::plan_drafts`]);
+    /// then prompt chunks, the fewest pending tokens first, so that a short prompt never waits
+    /// behind a long one's prefill. Prompt chunks share what is left of the step's budget
+    /// ([`Scheduler::prefill_budget`]); what they leave is returned, for the first chunks of
+    /// the jobs admitted this step.
+    fn plan_rows(&self, now: Instant, drafted: &mut Vec<u32>) -> (Vec<Row>, usize) {
         let mut rows = Vec::new();
         let ready = |job: &Job| job.ready(now) && job.pending() > 0;
         let mut decode_budget = self.config.step_token_budget;
         for (index, job) in self.running.iter().enumerate() {
             if decode_budget > 0 && ready(job) && job.pending() == 1 {
-                rows.push(Row {
-                    job: index,
-                    start: job.computed,
-                    end: job.computed + 1,
-                    steps: 1,
-                    live: true,
-                });
+                rows.push(Row::new(index, job.computed, job.computed + 1));
                 decode_budget -= 1;
             }
         }
+        self.plan_drafts(&mut rows, drafted, decode_budget);
+        let decode_tokens = rows.iter().map(|row| 1 + row.draft).sum();
         let mut prompts: Vec<usize> = (0..self.running.len())
             .filter(|&index| ready(&self.running[index]) && self.running[index].pending() > 1)
             .collect();
         prompts.sort_by_key(|&index| self.running[index].pending());
-        let mut budget = self.prefill_budget(rows.len());
+        let mut budget = self.prefill_budget(decode_tokens);
         for index in prompts {
             if budget == 0 {
                 break;
             }
             let job = &self.running[index];
             let n = job.pending().min(budget);
-            rows.push(Row {
-                job: index,
-                start: job.computed,
-                end: job.computed + n,
-                steps: 1,
-                live: true,
-            });
+            rows.push(Row::new(index, job.computed, job.computed + n));
             budget -= n;
         }
         (rows, budget)
+    }
+
+    /// Speculative decoding: with prompt lookup on and no more running requests than
+    /// `speculative.max_batch`, gives each decode row the tokens the lookup proposes after its
+    /// job's tokens, at most the job's `draft_len`, `budget` in all, and no more than it may
+    /// still generate (less one: the verification adds a token of its own) or its sequence may
+    /// hold. Under the optimistic reservation a draft takes new pages only from those no
+    /// decode row needs. Samplers that read their history (penalties) pick one token a step.
+    fn plan_drafts(&self, rows: &mut [Row], drafted: &mut Vec<u32>, mut budget: usize) {
+        let spec = &self.config.speculative;
+        let requests = self.running.iter().filter(|j| !j.closing).count();
+        if spec.method != policy::SpeculativeMethod::PromptLookup || requests > spec.max_batch {
+            return;
+        }
+        let pt = self.config.page_tokens;
+        let held_pages = |job: &Job| job.slot.as_ref().map_or(0, |slot| slot.pages.len());
+        let own_pages: usize = rows
+            .iter()
+            .map(|row| {
+                let job = &self.running[row.job];
+                row.end.div_ceil(pt).saturating_sub(held_pages(job))
+            })
+            .sum();
+        let mut spare_pages = match self.config.reservation {
+            ReservationPolicy::Optimistic => self.available_pages.saturating_sub(own_pages),
+            ReservationPolicy::WorstCase => usize::MAX,
+        };
+        let mut lookup = engine::speculative::PromptLookup {
+            ngram_min: spec.ngram_min,
+            ngram_max: spec.ngram_max,
+        };
+        for row in rows.iter_mut() {
+            let job = &self.running[row.job];
+            let at_end = row.end == job.tokens.len();
+            let plain = job.sampler.as_ref().is_some_and(|s| !s.reads_history());
+            let room = (job.max_new - job.generated())
+                .saturating_sub(1)
+                .min(self.limit.tokens.saturating_sub(row.end));
+            let most = job.draft_len.min(room).min(budget);
+            if !at_end || !plain || most == 0 {
+                continue;
+            }
+            let proposal =
+                engine::speculative::DraftSource::propose(&mut lookup, &job.tokens, most);
+            let pages = (row.end + proposal.len())
+                .div_ceil(pt)
+                .saturating_sub(held_pages(job).max(row.end.div_ceil(pt)));
+            if proposal.is_empty() || pages > spare_pages {
+                continue;
+            }
+            spare_pages = spare_pages.saturating_sub(pages);
+            budget -= proposal.len();
+            row.draft = proposal.len();
+            row.draft_at = drafted.len();
+            drafted.extend(proposal);
+        }
     }
 
     /// Prompt tokens a step with `decode_rows` one-token rows may add: what the step's
@@ -452,6 +526,10 @@ impl Scheduler {
             "one lookup per candidate"
         );
         let mut ops = Vec::new();
+        for (handle, tokens) in self.truncates.drain(..) {
+            ops.push(PoolOp::Truncate { handle, tokens });
+            draft.pool_purposes.push(PoolPurpose::Truncate);
+        }
         for handle in self.releases.drain(..) {
             ops.push(PoolOp::Release(handle));
             draft.pool_purposes.push(PoolPurpose::Release);
@@ -548,6 +626,11 @@ impl Scheduler {
                 (PoolPurpose::Release, PoolReply::Released(result)) => {
                     if let Err(e) = result {
                         tracing::error!("releasing a slot: {e}");
+                    }
+                }
+                (PoolPurpose::Truncate, PoolReply::Truncated(result)) => {
+                    if let Err(e) = result {
+                        tracing::error!("cutting a slot back: {e}");
                     }
                 }
                 (PoolPurpose::Extend(r), PoolReply::Extended(result)) => {
@@ -698,13 +781,11 @@ impl Scheduler {
                 .push(StorePurpose::Restore(self.running.len()));
         }
         if first > 0 {
-            draft.rows.push(Row {
-                job: self.running.len(),
-                start: job.computed,
-                end: job.computed + first,
-                steps: 1,
-                live: true,
-            });
+            draft.rows.push(Row::new(
+                self.running.len(),
+                job.computed,
+                job.computed + first,
+            ));
         }
         job.slot = Some(slot);
         job.blocked_until = None;
@@ -736,13 +817,7 @@ impl Scheduler {
         job.computed = copied;
         job.fork_of = None;
         if runs_now {
-            draft.rows.push(Row {
-                job: index,
-                start: copied,
-                end: copied + 1,
-                steps: 1,
-                live: true,
-            });
+            draft.rows.push(Row::new(index, copied, copied + 1));
         }
         job.slot = Some(slot);
         job.blocked_until = None;
@@ -806,9 +881,11 @@ impl Scheduler {
             plan: StepPlan::default(),
             samplers: Vec::new(),
             row_steps: Vec::new(),
+            drafts: Vec::new(),
             saves: Vec::new(),
         };
         let multi_step = draft.rows.iter().any(|row| row.live && row.steps > 1);
+        let verify = draft.rows.iter().any(|row| row.live && row.draft > 0);
         self.stats.multi_steps += multi_step as u64;
         let purposes = std::mem::take(&mut draft.store_purposes);
         for (purpose, reply) in purposes.into_iter().zip(replies) {
@@ -828,13 +905,16 @@ impl Scheduler {
             plan_row
                 .tokens
                 .extend_from_slice(&job.tokens[row.start..row.end]);
+            plan_row
+                .tokens
+                .extend_from_slice(&draft.drafted[row.draft_at..row.draft_at + row.draft]);
             // Lent for the step and handed back with the reply: no copy of the page table.
             plan_row.pages = std::mem::take(&mut slot.pages);
             plan_row.start_pos = row.start;
-            plan_row.logits = if sample {
-                LogitsWanted::Last
-            } else {
-                LogitsWanted::None
+            plan_row.logits = match (sample, row.draft) {
+                (false, _) => LogitsWanted::None,
+                (true, 0) => LogitsWanted::Last,
+                (true, _) => LogitsWanted::All,
             };
             step.plan.rows.push(plan_row);
             step.samplers.push(if sample {
@@ -849,8 +929,11 @@ impl Scheduler {
             if multi_step {
                 step.row_steps.push(row.steps);
             }
+            if verify {
+                step.drafts.push(row.draft);
+            }
             draft.sent_rows.push(r);
-            draft.sent_tokens += row.end - row.start;
+            draft.sent_tokens += row.end - row.start + row.draft;
         }
         let idle = step.plan.rows.is_empty()
             && step.restores.is_empty()
@@ -1199,7 +1282,40 @@ impl Scheduler {
             logprobs.truncate(job.tokens.len() - before);
             job.emit_tokens(&job.tokens[before..], logprobs);
             self.stats.generated_tokens += (job.tokens.len() - before) as u64;
+            if row.draft > 0 {
+                self.verified(row, tokens.len() - 1);
+            }
+            let ending = ended.iter().any(|(index, _)| *index == row.job);
+            if !ending {
+                self.trim(row.job);
+            }
         }
+    }
+
+    /// Counts a verification that kept `kept` of the row's drafted tokens, and lets the job's
+    /// next draft be one longer than that.
+    fn verified(&mut self, row: Row, kept: usize) {
+        self.stats.drafted_tokens += row.draft as u64;
+        self.stats.accepted_tokens += kept as u64;
+        self.stats.verified[kept.min(policy::MAX_VERIFY_WIDTH - 1)] += 1;
+        let most = self.config.speculative.draft_tokens;
+        self.running[row.job].draft_len = (kept + 1).clamp(1, most);
+    }
+
+    /// Gives back the positions a job holds past its tokens (drafted tokens refused, or a
+    /// multi-step decode cut short): the pool truncates it at the next step's exchange, and
+    /// its page table here now, so the next step extends from where it really is.
+    fn trim(&mut self, index: usize) {
+        let pt = self.config.page_tokens;
+        let job = &mut self.running[index];
+        let tokens = job.tokens.len();
+        let slot = job.slot.as_mut().expect("running jobs hold a slot");
+        if slot.held_tokens <= tokens {
+            return;
+        }
+        slot.held_tokens = tokens;
+        slot.pages.truncate(tokens.div_ceil(pt));
+        self.truncates.push((slot.handle, tokens));
     }
 
     /// The shared rule ([`engine::stop::finish_after`]); `max_new` was clipped to the room

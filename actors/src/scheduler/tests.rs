@@ -642,3 +642,80 @@ fn a_reply_whose_prompt_nobody_showed_before_is_not_saved() {
     assert_eq!(h.pool.stats().used_pages, 0);
     assert_eq!(h.store.inner().snapshot_ids().count(), 0);
 }
+
+/// Runs one request to its end; after every step checks that each running job holds no position past its
+/// tokens, in its own table and in the pool once the deferred truncations are applied.
+/// Returns its tokens and the scheduler's counters.
+fn run_repeating(toml: &str, max_tokens: usize) -> (Vec<u32>, super::SchedulerStats) {
+    let mut h = Harness::new(64, toml);
+    // This model repeats the pattern's last token, 7, from its first token on; with "6 7 7"
+    // once in the middle, the draft after its first token continues the pattern from there,
+    // and is refused.
+    let mut prompt: Vec<u32> = (0..40u32).map(|i| 3 + i % 5).collect();
+    prompt[10] = 7;
+    let params = SamplingParams {
+        max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let mut stream = h
+        .scheduler
+        .submit(GenerateRequest { prompt, params })
+        .unwrap();
+    let mut out = Vec::new();
+    for _ in 0..4 * max_tokens {
+        h.step();
+        for job in &h.scheduler.running {
+            let slot = job.slot.as_ref().unwrap();
+            let pending = h
+                .scheduler
+                .truncates
+                .iter()
+                .find(|(s, _)| *s == slot.handle);
+            let pooled = pending.map_or_else(|| h.pool.slot_tokens(slot.handle).unwrap(), |p| p.1);
+            assert!(
+                slot.held_tokens <= job.tokens.len(),
+                "holds past its tokens"
+            );
+            assert_eq!(pooled, slot.held_tokens, "the pool and the job disagree");
+        }
+        let (tokens, end) = tokens(&mut stream);
+        out.extend(tokens);
+        if let Some(end) = end {
+            assert!(matches!(end, Event::Finished { .. }), "{end:?}");
+            // Its release goes out with the next step's exchange.
+            h.step();
+            assert_eq!(h.pool.stats().free_pages, 64, "every page is free again");
+            return (out, h.scheduler.stats());
+        }
+    }
+    panic!("the request did not end");
+}
+
+#[test]
+fn verified_drafts_give_the_tokens_of_one_token_steps_and_refused_positions_go_back() {
+    let (plain, off) = run_repeating("", 50);
+    assert_eq!(off.drafted_tokens, 0);
+    for reservation in ["worst_case", "optimistic"] {
+        let toml = format!(
+            "[cache]\nreservation = \"{reservation}\"\n[speculative]\nmethod = \"prompt_lookup\"\n"
+        );
+        let (speculated, on) = run_repeating(&toml, 50);
+        assert_eq!(
+            speculated, plain,
+            "{reservation}: speculation changed the output"
+        );
+        assert!(
+            on.drafted_tokens > 0,
+            "{reservation}: nothing drafted: {on:?}"
+        );
+        let refused: u64 = on.verified[..policy::MAX_VERIFY_WIDTH - 2].iter().sum();
+        assert!(refused > 0, "{reservation}: no draft was cut short: {on:?}");
+        assert!(
+            on.steps < off.steps,
+            "{reservation}: {} steps with speculation, {} without",
+            on.steps,
+            off.steps
+        );
+    }
+}

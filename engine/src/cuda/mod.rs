@@ -43,7 +43,7 @@ use cache::{BackingId, KvGeometry, PageClone, PageCopy, Tier};
 pub use policy::PoolSize;
 use policy::{AdmissionPolicy, CachePolicy, EngineConfig, SnapshotPolicy};
 
-use crate::backend::{Backend, BackendInfo, HostRun, MemoryReport, StepOutput, StepPlan};
+use crate::backend::{Backend, BackendInfo, HostRun, MemoryReport, RowPlan, StepOutput, StepPlan};
 use crate::error::{EngineError, Result};
 use crate::model::{ModelConfig, ModelFiles, Weights};
 use crate::sampling::Sampler;
@@ -566,6 +566,58 @@ impl Backend for CudaBackend {
             return Ok(Vec::new());
         }
         self.sample_step(plan, samplers)
+    }
+
+    /// Greedy rows are verified on the device: one argmax per logit row, and only the picks
+    /// come back, not every row's logits. Anything else picks on the host.
+    fn step_and_verify(
+        &mut self,
+        plan: &StepPlan,
+        samplers: &mut [Option<&mut Sampler>],
+        drafts: &[usize],
+    ) -> Result<Vec<Vec<u32>>> {
+        crate::backend::check_verify(plan, samplers, drafts)?;
+        self.last_step_kernels = None;
+        self.device.bind()?;
+        plan.validate(&self.info)?;
+        let logit_rows: usize = plan.rows.iter().map(RowPlan::logit_rows).sum();
+        let greedy = samplers.iter().flatten().all(|s| s.greedy_on_device());
+        let fits = logit_rows <= self.ws.sizes.rows.min(self.ws.sizes.logit_rows);
+        if plan.rows.is_empty() || !greedy || !fits {
+            return crate::backend::verify_on_host(self, plan, samplers, drafts);
+        }
+        let mut params = Vec::with_capacity(logit_rows * kernels::SAMPLE_PARAM_WORDS);
+        (0..logit_rows).for_each(|_| sample::push_greedy(&mut params));
+        let (layout, projected) = self.execute(plan, LogitSelection::Wanted, &params)?;
+        if projected {
+            return Err(EngineError::InvalidStep(
+                "a verification step ran as a decode graph".into(),
+            ));
+        }
+        self.forward().logits(0, layout.logit_rows)?;
+        self.kernels.sample_rows(
+            self.ws.logits,
+            self.config.vocab_size,
+            self.meta.buffers().sample_params,
+            self.ws.sampled,
+            DPtr::NULL,
+            layout.logit_rows,
+        )?;
+        let mut picked = vec![0u32; layout.logit_rows];
+        self.device.download(self.ws.sampled, &mut picked)?;
+        let mut next = 0;
+        let mut picks = Vec::with_capacity(plan.rows.len());
+        for ((row, sampler), &drafted) in plan.rows.iter().zip(samplers.iter()).zip(drafts) {
+            let rows = &picked[next..next + row.logit_rows()];
+            next += row.logit_rows();
+            picks.push(match sampler {
+                Some(_) => {
+                    crate::backend::verify_row(row, drafted, |k| rows[rows.len() - 1 - drafted + k])
+                }
+                None => Vec::new(),
+            });
+        }
+        Ok(picks)
     }
 
     fn last_step_kernels(&self) -> Option<usize> {
