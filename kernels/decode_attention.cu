@@ -15,7 +15,9 @@
 // and k rotated here (lanes holding dimension i and i + D/2 swap halves with a shuffle), q
 // rounded to bf16 as prefill attention reads it. The blocks of the split holding the token's
 // position store its k and v into the paged cache first, then read that position like any
-// other.
+// other. Unless `store_kv` is 0: then the rows are a verification's positions of one sequence,
+// one row each, whose k and v a rope_kv_append launch stored before this one (a row reads the
+// positions of the rows before it, which no block of this launch may be writing).
 //
 // With one split a block writes the bf16 output. With several, each writes its normalized
 // partial output and log-sum-exp, and the last block of a (row, head group) to finish, told by
@@ -131,6 +133,7 @@ struct DecodeArgs {
     float* lse_part;
     u32* done;
     u32 splits;
+    u32 store_kv;  // 0: the step's k and v are in the cache already (a verification's rows)
 };
 
 // The last block of a (row, head group) merges the `used` splits' partial outputs: the splits'
@@ -217,7 +220,7 @@ __device__ void decode_attention(const DecodeArgs& a) {
         new_head(tok, a.bias, col + part * 8, cs, sn, LPK / 2, part < LPK / 2, is_v, x);
         uint4 bits = pack8(x);
         if (unit < g) *(uint4*)(s_q + unit * STRIDE + part * 8) = bits;
-        if (unit >= g && unit <= g + 1 && row.begin <= row.pos && row.pos < row.end) {
+        if (a.store_kv && unit >= g && unit <= g + 1 && row.begin <= row.pos && row.pos < row.end) {
             u64 slot = (u64)table[row.pos / a.page_tokens] * a.page_tokens + row.pos % a.page_tokens;
             bf16* cache = unit == g ? a.k_cache : a.v_cache;
             *(uint4*)(cache + (slot * a.kv_heads + kvh) * D + part * 8) = bits;
@@ -337,12 +340,13 @@ __device__ void decode_attention(const DecodeArgs& a) {
             const bf16* qkv, const bf16* bias, const float* inv_freq, bf16* k_cache, bf16* v_cache,   \
         const u32* page_table, u32 table_stride, const u32* row_start_token,                      \
         const u32* row_start_pos, u32 heads, u32 kv_heads, u32 page_tokens, u32 window,           \
-        float scale_log2, bf16* out, float* o_part, float* lse_part, u32* done, u32 splits) {      \
+        float scale_log2, bf16* out, float* o_part, float* lse_part, u32* done, u32 splits,       \
+        u32 store_kv) {                                                                            \
         pdl_begin();                                                                               \
         DecodeArgs a = {qkv,     bias,           inv_freq,      k_cache, v_cache,                 \
                         page_table, table_stride, row_start_token, row_start_pos, heads,           \
                         kv_heads, page_tokens,   window,        scale_log2, out,                   \
-                        o_part,  lse_part,       done,          splits};                           \
+                        o_part,  lse_part,       done,          splits,        store_kv};          \
         decode_attention<D>(a);                                                                   \
     }
 DECODE_ENTRY(16)

@@ -5,6 +5,8 @@
 // token's position (Hugging Face's rotate_half pairing: i with i + head_dim/2), q is written
 // back in place for attention, and k and v go to the token's slot in the layer's paged cache
 // ([slot][kv_head][head_dim], slot = page · page_tokens + position mod page_tokens).
+// With `write_q` 0 only k and v are stored: a verification's rows, whose attention (the decode
+// kernel) rotates q itself.
 
 // grid: (tokens, blocks per token); the blocks of a token share its heads' pairs.
 extern "C" __global__ void rope_kv_append(bf16* __restrict__ qkv, const bf16* __restrict__ bias,
@@ -12,14 +14,15 @@ extern "C" __global__ void rope_kv_append(bf16* __restrict__ qkv, const bf16* __
                                           const u32* __restrict__ positions,
                                           const u32* __restrict__ slots,
                                           bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
-                                          u32 heads, u32 kv_heads, u32 head_dim) {
+                                          u32 heads, u32 kv_heads, u32 head_dim, u32 write_q) {
     pdl_begin();
     u32 t = blockIdx.x, half = head_dim / 2;
     bf16* row = qkv + (u64)t * (heads + 2 * kv_heads) * head_dim;
     float pos = (float)positions[t];
     u64 slot = slots[t];
     u32 rotated = (heads + kv_heads) * half, copied = kv_heads * head_dim;
-    for (u32 u = blockIdx.y * blockDim.x + threadIdx.x; u < rotated + copied;
+    u32 first = write_q ? 0 : heads * half;
+    for (u32 u = first + blockIdx.y * blockDim.x + threadIdx.x; u < rotated + copied;
          u += gridDim.y * blockDim.x) {
         if (u < rotated) {
             u32 head = u / half, i = u - head * half;

@@ -24,7 +24,7 @@ read -r -a serve_args <<< "${SERVE_ARGS:-}"
 
 echo "# $(date -u +%Y-%m-%dT%H:%MZ) $config ${serve_args[*]}"
 server=
-trap '[ -n "$server" ] && kill "$server" 2> /dev/null' EXIT
+trap '[ -n "$server" ] && kill "$server" 2> /dev/null || true' EXIT
 for mode in off on; do
     cfg="$out/speculation-$mode.toml"
     cp "$config" "$cfg"

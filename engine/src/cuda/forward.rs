@@ -152,8 +152,14 @@ impl Workspace {
 /// How a pass runs attention.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum AttentionMode {
-    /// Every row holds one token.
-    Decode { rows: usize, splits: usize },
+    /// Every row holds one token. With `append_first`, every token's k and v are stored in one
+    /// launch before attention, so a row may attend to the positions of rows before it in the
+    /// same step: a verification run as one row per position.
+    Decode {
+        rows: usize,
+        splits: usize,
+        append_first: bool,
+    },
     /// Rows of any length, in work items, their keys split over `splits` blocks each.
     Prefill { items: usize, splits: usize },
 }
@@ -304,7 +310,25 @@ impl Forward<'_> {
         self.project(input, w.wqkv, self.ws.wide, qkv)?;
         let (k_cache, v_cache) = (self.pool.cache(layer, false), self.pool.cache(layer, true));
         match mode {
-            AttentionMode::Decode { rows, splits } => {
+            AttentionMode::Decode {
+                rows,
+                splits,
+                append_first,
+            } => {
+                if append_first {
+                    self.kernels.rope_kv_append(&RopeKv {
+                        qkv: self.ws.wide,
+                        bias: w.bqkv,
+                        inv_freq: self.weights.inv_freq(),
+                        positions: self.meta.positions,
+                        slots: self.meta.slots,
+                        k_cache,
+                        v_cache,
+                        shape,
+                        tokens,
+                        write_q: false,
+                    })?;
+                }
                 let attention = DecodeAttention {
                     qkv: self.ws.wide,
                     bias: w.bqkv,
@@ -314,6 +338,7 @@ impl Forward<'_> {
                     rows: self.meta.rows,
                     shape,
                     out: self.ws.narrow,
+                    store_kv: !append_first,
                 };
                 let split = Splits {
                     splits,
@@ -334,6 +359,7 @@ impl Forward<'_> {
                     v_cache,
                     shape,
                     tokens,
+                    write_q: true,
                 })?;
                 let attention = Attention {
                     qkv: self.ws.wide,

@@ -18,6 +18,10 @@ use crate::error::Result;
 /// Batch sizes a decode graph is captured for.
 pub const BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 
+/// Added to a bucket to key the graphs of verifications run as decode steps, whose k and v are
+/// stored before attention (`AttentionMode::Decode::append_first`).
+pub const APPEND_FIRST: usize = 1 << 20;
+
 /// The smallest bucket holding `rows` rows, if any does and the step fits the workspaces.
 pub fn bucket(rows: usize, max_rows: usize) -> Option<usize> {
     BUCKETS

@@ -244,6 +244,7 @@ fn rope_rotates_q_and_appends_k_v_to_their_slots() {
             v_cache: v.ptr(),
             shape,
             tokens,
+            write_q: true,
         })
         .unwrap();
     let (mut want_q, mut want_k, mut want_v) = (Vec::new(), Vec::new(), Vec::new());
@@ -285,6 +286,32 @@ fn rope_rotates_q_and_appends_k_v_to_their_slots() {
     assert_eq!(
         k_all.iter().filter(|x| x.is_nan()).count(),
         cache_elems - written
+    );
+
+    // Without q (a verification's append, before the decode kernel rotates q itself): the same
+    // k and v bytes, q as it was.
+    let qkv_again = g.upload_bf16(&qkv);
+    let (k2, v2) = (g.poisoned(cache_elems * 2), g.poisoned(cache_elems * 2));
+    g.kernels
+        .rope_kv_append(&RopeKv {
+            qkv: qkv_again.ptr(),
+            bias: bias_d.ptr(),
+            inv_freq: freq_d.ptr(),
+            positions: pos_d.ptr(),
+            slots: slot_d.ptr(),
+            k_cache: k2.ptr(),
+            v_cache: v2.ptr(),
+            shape,
+            tokens,
+            write_q: false,
+        })
+        .unwrap();
+    let bits = |xs: Vec<f32>| xs.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    assert_eq!(bits(g.download_bf16(k2.ptr(), cache_elems)), bits(k_all));
+    assert_eq!(bits(g.download_bf16(v2.ptr(), cache_elems)), bits(v_all));
+    assert_eq!(
+        bits(g.download_bf16(qkv_again.ptr(), tokens * width)),
+        bits(qkv.clone())
     );
 }
 
@@ -737,6 +764,7 @@ fn check_decode(shape: AttnShape, contexts: &[usize], splits: usize, with_bias: 
         rows: meta.buffers().rows,
         shape,
         out: out.ptr(),
+        store_kv: true,
     };
     let what = format!("decode {shape:?} contexts {contexts:?} splits {splits} bias {with_bias}");
     for run in 0..2 {

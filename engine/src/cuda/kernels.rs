@@ -351,9 +351,11 @@ impl Kernels {
             .ptr(a.v_cache)
             .u32(s.heads as u32)
             .u32(s.kv_heads as u32)
-            .u32(s.head_dim as u32);
+            .u32(s.head_dim as u32)
+            .u32(a.write_q as u32);
         // One thread per rotated pair or copied v element; a token's blocks share them.
-        let units = (s.heads + s.kv_heads) * s.head_dim / 2 + s.kv_heads * s.head_dim;
+        let q_heads = if a.write_q { s.heads } else { 0 };
+        let units = (q_heads + s.kv_heads) * s.head_dim / 2 + s.kv_heads * s.head_dim;
         let grid = (a.tokens as u32, units.div_ceil(THREADS as usize) as u32, 1);
         self.device
             .launch(&self.rope_kv_append, grid, THREADS, &args)
@@ -382,7 +384,8 @@ impl Kernels {
             .ptr(split.o_part)
             .ptr(split.lse_part)
             .ptr(split.done)
-            .u32(split.splits as u32);
+            .u32(split.splits as u32)
+            .u32(a.store_kv as u32);
         let grid = (
             split.splits as u32,
             s.decode_blocks_per_row() as u32,
@@ -660,6 +663,8 @@ pub struct RopeKv {
     pub v_cache: DPtr<bf16>,
     pub shape: AttnShape,
     pub tokens: usize,
+    /// Write the rotated q back in place (for prefill attention); else only k and v.
+    pub write_q: bool,
 }
 
 /// The per-row metadata the attention kernels read.
@@ -697,6 +702,8 @@ pub struct DecodeAttention {
     pub rows: RowBuffers,
     pub shape: AttnShape,
     pub out: DPtr<bf16>,
+    /// Store each row's k and v into the cache (else a launch before stored them).
+    pub store_kv: bool,
 }
 
 /// Arguments of [`Kernels::prefill_attention`].

@@ -328,7 +328,7 @@ impl CudaBackend {
         let bucket =
             graphs::bucket(plan.rows.len(), max_rows).filter(|_| decode && self.graphs.is_some());
         if let Some(bucket) = bucket {
-            return self.replay_decode(plan, bucket, sample_params);
+            return self.replay_decode(plan, bucket, sample_params, false);
         }
         let item_tokens = if decode {
             0
@@ -355,6 +355,7 @@ impl CudaBackend {
                     layout.rows,
                     shape.decode_blocks_per_row(),
                 ),
+                append_first: false,
             }
         } else {
             let longest = plan.rows.iter().map(|r| r.end_pos()).max().unwrap_or(0);
@@ -373,12 +374,15 @@ impl CudaBackend {
         Ok((layout, false))
     }
 
-    /// A decode step through the graph of `bucket` rows: layers and logits of every row.
+    /// A decode step through the graph of `bucket` rows: layers and logits of every row. With
+    /// `append_first`, a graph of its own stores every row's k and v before each layer's
+    /// attention (rows that are one sequence's verified positions).
     fn replay_decode(
         &mut self,
         plan: &StepPlan,
         bucket: usize,
         sample_params: &[u32],
+        append_first: bool,
     ) -> Result<(StepLayout, bool)> {
         let layout = self.meta.load(
             &self.kernels,
@@ -398,12 +402,19 @@ impl CudaBackend {
         // Out of `self` while replaying, so that `forward()` can borrow the rest of it.
         let mut graphs = self.graphs.take().expect("only called with graphs on");
         let forward = self.forward();
-        let replayed = graphs.replay(&self.device, bucket, || {
+        let key = bucket
+            + if append_first {
+                graphs::APPEND_FIRST
+            } else {
+                0
+            };
+        let replayed = graphs.replay(&self.device, key, || {
             forward.run(
                 bucket,
                 AttentionMode::Decode {
                     rows: bucket,
                     splits,
+                    append_first,
                 },
             )?;
             forward.logits(0, bucket)
@@ -411,6 +422,89 @@ impl CudaBackend {
         self.graphs = Some(graphs);
         self.last_replay = Some(replayed?);
         Ok((layout, true))
+    }
+
+    /// A verification whose rows are each a token and its draft, run as a decode step of one
+    /// row per position (every k and v stored first, so each position attends to those before
+    /// it), through the decode graphs: the greedy pick at every position, in plan order. `None`
+    /// when a row holds more (a prompt chunk) or the rows do not fit one decode step.
+    fn verify_as_decode(&mut self, plan: &StepPlan, drafts: &[usize]) -> Result<Option<Vec<u32>>> {
+        let shaped = plan
+            .rows
+            .iter()
+            .zip(drafts)
+            .all(|(row, &drafted)| row.tokens.len() == drafted + 1);
+        let rows: usize = plan.rows.iter().map(|row| row.tokens.len()).sum();
+        let max_rows = self.ws.sizes.rows.min(self.ws.sizes.logit_rows);
+        if !shaped || rows > max_rows {
+            return Ok(None);
+        }
+        let positions = StepPlan {
+            rows: plan
+                .rows
+                .iter()
+                .flat_map(|row| {
+                    row.tokens.iter().enumerate().map(|(k, &token)| RowPlan {
+                        tokens: vec![token],
+                        start_pos: row.start_pos + k,
+                        pages: row.pages.clone(),
+                        logits: crate::backend::LogitsWanted::Last,
+                    })
+                })
+                .collect(),
+        };
+        let mut params = Vec::with_capacity(rows * kernels::SAMPLE_PARAM_WORDS);
+        (0..rows).for_each(|_| sample::push_greedy(&mut params));
+        let small = rows <= self.gemv_max_tokens;
+        self.device
+            .set_programmatic_launch(self.programmatic_launch && small);
+        self.last_replay = None;
+        let bucket = graphs::bucket(rows, max_rows).filter(|_| self.graphs.is_some());
+        // A graph is captured the first time its bucket verifies; if that fails (another
+        // thread's call into the driver can break a capture), the step runs eagerly and the
+        // next one captures again.
+        let replayed = bucket.map(|bucket| self.replay_decode(&positions, bucket, &params, true));
+        if let Some(Err(e)) = &replayed {
+            tracing::warn!("a verification graph could not run, so this step runs without: {e}");
+        }
+        if !matches!(replayed, Some(Ok(_))) {
+            let layout = self.meta.load(
+                &self.kernels,
+                &PackRequest {
+                    plan: &positions,
+                    select: LogitSelection::LastOfEachRow,
+                    pad_rows_to: 0,
+                    item_tokens: 0,
+                    sample_params: &params,
+                },
+            )?;
+            let splits = forward::decode_splits(
+                self.device.multiprocessors as usize,
+                layout.rows,
+                self.attn_shape().decode_blocks_per_row(),
+            );
+            let forward = self.forward();
+            forward.run(
+                layout.tokens,
+                AttentionMode::Decode {
+                    rows: layout.rows,
+                    splits,
+                    append_first: true,
+                },
+            )?;
+            forward.logits(0, rows)?;
+        }
+        self.kernels.sample_rows(
+            self.ws.logits,
+            self.config.vocab_size,
+            self.meta.buffers().sample_params,
+            self.ws.sampled,
+            DPtr::NULL,
+            rows,
+        )?;
+        let mut picked = vec![0u32; rows];
+        self.device.download(self.ws.sampled, &mut picked)?;
+        Ok(Some(picked))
     }
 
     /// Downloads logit rows `first..first + rows` (projecting them first unless `projected`).
@@ -585,6 +679,24 @@ impl Backend for CudaBackend {
         let fits = logit_rows <= self.ws.sizes.rows.min(self.ws.sizes.logit_rows);
         if plan.rows.is_empty() || !greedy || !fits {
             return crate::backend::verify_on_host(self, plan, samplers, drafts);
+        }
+        if let Some(picked) = self.verify_as_decode(plan, drafts)? {
+            let mut next = 0;
+            let picks = plan
+                .rows
+                .iter()
+                .zip(samplers.iter())
+                .zip(drafts)
+                .map(|((row, sampler), &drafted)| {
+                    let rows = &picked[next..next + row.tokens.len()];
+                    next += row.tokens.len();
+                    match sampler {
+                        Some(_) => crate::backend::verify_row(row, drafted, |k| rows[k]),
+                        None => Vec::new(),
+                    }
+                })
+                .collect();
+            return Ok(picks);
         }
         let mut params = Vec::with_capacity(logit_rows * kernels::SAMPLE_PARAM_WORDS);
         (0..logit_rows).for_each(|_| sample::push_greedy(&mut params));
