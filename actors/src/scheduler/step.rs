@@ -469,7 +469,7 @@ impl Scheduler {
             let room = (job.max_new - job.generated())
                 .saturating_sub(1)
                 .min(self.limit.tokens.saturating_sub(row.end));
-            let most = job.draft_len.min(room).min(budget);
+            let most = job.draft_len.min(spec.draft_tokens).min(room).min(budget);
             if !at_end || !plain || most == 0 {
                 continue;
             }

@@ -719,3 +719,13 @@ fn verified_drafts_give_the_tokens_of_one_token_steps_and_refused_positions_go_b
         );
     }
 }
+
+#[test]
+fn no_draft_is_longer_than_draft_tokens() {
+    let toml = "[speculative]\nmethod = \"prompt_lookup\"\ndraft_tokens = 2\n";
+    let (_, on) = run_repeating(toml, 40);
+    let verifications: u64 = on.verified.iter().sum();
+    assert!(verifications > 0, "{on:?}");
+    assert!(on.drafted_tokens <= 2 * verifications, "{on:?}");
+    assert_eq!(on.verified[3..].iter().sum::<u64>(), 0, "{on:?}");
+}
