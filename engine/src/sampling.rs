@@ -457,10 +457,27 @@ impl Sampler {
         }
     }
 
-    /// Whether a device's own greedy pick is this sampler's pick: greedy, nothing only the
-    /// host can apply, and no grammar.
+    /// Whether a device's own pick (its filters, drawing with [`Sampler::draw_uniform`]) is
+    /// this sampler's pick: nothing only the host can apply, and no grammar.
+    pub fn samples_on_device(&self) -> bool {
+        !self.needs_host() && self.constraint.is_none()
+    }
+
+    /// [`Sampler::samples_on_device`], and greedy.
     pub fn greedy_on_device(&self) -> bool {
-        self.params.temperature == 0.0 && !self.needs_host() && self.constraint.is_none()
+        self.params.temperature == 0.0 && self.samples_on_device()
+    }
+
+    /// Where the request's random stream stands (in words drawn).
+    pub fn draw_position(&self) -> u128 {
+        self.rng.get_word_pos()
+    }
+
+    /// Puts the random stream back at `position` (of [`Sampler::draw_position`]): uniforms drawn
+    /// for picks that were then not made (a verification's positions past a refusal) are
+    /// drawn again for the next picks, as without speculation.
+    pub fn rewind_draws(&mut self, position: u128) {
+        self.rng.set_word_pos(position);
     }
 
     /// Whether a pick depends on the tokens [`Sampler::accept`] recorded (penalties): such a

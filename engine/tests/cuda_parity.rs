@@ -349,3 +349,61 @@ fn device_verification_picks_what_the_host_picks() {
     assert_eq!(device[1].len(), 1);
     println!("verified on the device: {device:?}");
 }
+
+/// A sampled verification on the device draws one uniform per pick it makes, as one token a
+/// step would: its random stream ends where a sampler of the same seed that drew once per kept
+/// token ends, and the same seed gives the same picks.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn sampled_verification_draws_one_uniform_per_pick() {
+    let (_dir, files) = model(&SyntheticSpec::smollm2(22));
+    let mut gpu = cuda(&files, true);
+    let params = SamplingParams {
+        temperature: 0.8,
+        top_k: 50,
+        seed: Some(7),
+        ..SamplingParams::default()
+    };
+    let row = RowPlan {
+        tokens: prompt(6, 25),
+        start_pos: 0,
+        pages: pages(0, 4),
+        logits: LogitsWanted::None,
+    };
+    gpu.step(&StepPlan { rows: vec![row] }).unwrap();
+    let verify = |gpu: &mut CudaBackend, draft: &[u32]| {
+        let plan = StepPlan {
+            rows: vec![RowPlan {
+                tokens: [&[9u32][..], draft].concat(),
+                start_pos: 25,
+                pages: pages(0, 4),
+                logits: LogitsWanted::All,
+            }],
+        };
+        let mut sampler = Sampler::new(&params, &[]);
+        let picks = gpu
+            .step_and_verify(&plan, &mut [Some(&mut sampler)], &[draft.len()])
+            .unwrap();
+        (picks[0].clone(), sampler.draw_position())
+    };
+    // A draft of the first pick repeated: kept while the draws agree, whatever they are.
+    let (first, _) = verify(&mut gpu, &[]);
+    let draft = vec![first[0]; 7];
+    let (picks, position) = verify(&mut gpu, &draft);
+    assert_eq!(verify(&mut gpu, &draft), (picks.clone(), position));
+    let mut alone = Sampler::new(&params, &[]);
+    picks.iter().for_each(|_| {
+        alone.draw_uniform();
+    });
+    assert_eq!(position, alone.draw_position(), "picks {picks:?}");
+    // Refused after one kept token (5 is almost surely not this model's pick): two draws.
+    let refused = [&[first[0]][..], &[5; 6]].concat();
+    let (short, position) = verify(&mut gpu, &refused);
+    let mut alone = Sampler::new(&params, &[]);
+    short.iter().for_each(|_| {
+        alone.draw_uniform();
+    });
+    assert_eq!(position, alone.draw_position(), "picks {short:?}");
+    assert!(short.len() < 8, "the draft of 5s was refused: {short:?}");
+    println!("sampled verification picked {picks:?}, then {short:?}");
+}

@@ -426,9 +426,17 @@ impl CudaBackend {
 
     /// A verification whose rows are each a token and its draft, run as a decode step of one
     /// row per position (every k and v stored first, so each position attends to those before
-    /// it), through the decode graphs: the greedy pick at every position, in plan order. `None`
-    /// when a row holds more (a prompt chunk) or the rows do not fit one decode step.
-    fn verify_as_decode(&mut self, plan: &StepPlan, drafts: &[usize]) -> Result<Option<Vec<u32>>> {
+    /// it), through the decode graphs, every position picked on the device: each row's picks
+    /// up to its first refusal. A sampled row draws a uniform for every position, then puts its
+    /// random stream back after the picks it made, so it draws exactly what one token a step
+    /// would. `None` when a row holds more (a prompt chunk) or the rows do not fit one decode
+    /// step.
+    fn verify_as_decode(
+        &mut self,
+        plan: &StepPlan,
+        samplers: &mut [Option<&mut Sampler>],
+        drafts: &[usize],
+    ) -> Result<Option<Vec<Vec<u32>>>> {
         let shaped = plan
             .rows
             .iter()
@@ -453,8 +461,22 @@ impl CudaBackend {
                 })
                 .collect(),
         };
+        // Each sampler's stream position after the uniform of each of its positions.
         let mut params = Vec::with_capacity(rows * kernels::SAMPLE_PARAM_WORDS);
-        (0..rows).for_each(|_| sample::push_greedy(&mut params));
+        let mut drawn: Vec<Vec<u128>> = Vec::with_capacity(plan.rows.len());
+        for (row, sampler) in plan.rows.iter().zip(samplers.iter_mut()) {
+            let mut after = Vec::with_capacity(row.tokens.len());
+            for _ in 0..row.tokens.len() {
+                match sampler {
+                    Some(sampler) => {
+                        sample::push_params(sampler, &mut params);
+                        after.push(sampler.draw_position());
+                    }
+                    None => sample::push_greedy(&mut params),
+                }
+            }
+            drawn.push(after);
+        }
         let small = rows <= self.gemv_max_tokens;
         self.device
             .set_programmatic_launch(self.programmatic_launch && small);
@@ -504,7 +526,27 @@ impl CudaBackend {
         )?;
         let mut picked = vec![0u32; rows];
         self.device.download(self.ws.sampled, &mut picked)?;
-        Ok(Some(picked))
+        let mut next = 0;
+        let mut picks = Vec::with_capacity(plan.rows.len());
+        for (((row, sampler), &drafted), after) in plan
+            .rows
+            .iter()
+            .zip(samplers.iter_mut())
+            .zip(drafts)
+            .zip(&drawn)
+        {
+            let at = &picked[next..next + row.tokens.len()];
+            next += row.tokens.len();
+            picks.push(match sampler {
+                Some(sampler) => {
+                    let made = crate::backend::verify_row(row, drafted, |k| at[k]);
+                    sampler.rewind_draws(after[made.len() - 1]);
+                    made
+                }
+                None => Vec::new(),
+            });
+        }
+        Ok(Some(picks))
     }
 
     /// Downloads logit rows `first..first + rows` (projecting them first unless `projected`).
@@ -662,8 +704,10 @@ impl Backend for CudaBackend {
         self.sample_step(plan, samplers)
     }
 
-    /// Greedy rows are verified on the device: one argmax per logit row, and only the picks
-    /// come back, not every row's logits. Anything else picks on the host.
+    /// Rows whose samplers the device serves are verified on the device, as a decode step of
+    /// one row per position through the decode graphs where the rows are tokens and their
+    /// drafts; only the picks come back, not every row's logits. Anything else picks on the
+    /// host.
     fn step_and_verify(
         &mut self,
         plan: &StepPlan,
@@ -675,28 +719,17 @@ impl Backend for CudaBackend {
         self.device.bind()?;
         plan.validate(&self.info)?;
         let logit_rows: usize = plan.rows.iter().map(RowPlan::logit_rows).sum();
+        let on_device = samplers.iter().flatten().all(|s| s.samples_on_device());
         let greedy = samplers.iter().flatten().all(|s| s.greedy_on_device());
         let fits = logit_rows <= self.ws.sizes.rows.min(self.ws.sizes.logit_rows);
-        if plan.rows.is_empty() || !greedy || !fits {
+        if plan.rows.is_empty() || !on_device || !fits {
             return crate::backend::verify_on_host(self, plan, samplers, drafts);
         }
-        if let Some(picked) = self.verify_as_decode(plan, drafts)? {
-            let mut next = 0;
-            let picks = plan
-                .rows
-                .iter()
-                .zip(samplers.iter())
-                .zip(drafts)
-                .map(|((row, sampler), &drafted)| {
-                    let rows = &picked[next..next + row.tokens.len()];
-                    next += row.tokens.len();
-                    match sampler {
-                        Some(_) => crate::backend::verify_row(row, drafted, |k| rows[k]),
-                        None => Vec::new(),
-                    }
-                })
-                .collect();
+        if let Some(picks) = self.verify_as_decode(plan, samplers, drafts)? {
             return Ok(picks);
+        }
+        if !greedy {
+            return crate::backend::verify_on_host(self, plan, samplers, drafts);
         }
         let mut params = Vec::with_capacity(logit_rows * kernels::SAMPLE_PARAM_WORDS);
         (0..logit_rows).for_each(|_| sample::push_greedy(&mut params));
