@@ -296,15 +296,7 @@ fn decode(
         Ok(())
     };
     step(backend, rng)?; // warm-up, and graph capture
-    let mut runs = Vec::new();
-    for _ in 0..spec.repeats.max(1) {
-        let started = Instant::now();
-        for _ in 0..spec.decode_steps {
-            step(backend, rng)?;
-        }
-        runs.push(started.elapsed() / spec.decode_steps.max(1) as u32);
-    }
-    let step = median(runs);
+    let step = time_steps(backend, rng, spec, step)?;
     Ok(BenchRow::Decode {
         batch,
         context,
@@ -346,7 +338,23 @@ fn verify(
         backend.step_and_verify(&StepPlan { rows }, &mut slots, &vec![width - 1; batch])?;
         Ok(())
     };
-    step(backend, rng)?; // warm-up
+    step(backend, rng)?; // warm-up, and graph capture
+    Ok(BenchRow::Verify {
+        batch,
+        context,
+        width,
+        step: time_steps(backend, rng, spec, step)?,
+        decode_step,
+    })
+}
+
+/// The median over `spec.repeats` runs of the time of one of `spec.decode_steps` steps.
+fn time_steps(
+    backend: &mut dyn Backend,
+    rng: &mut ChaCha8Rng,
+    spec: &BenchSpec,
+    mut step: impl FnMut(&mut dyn Backend, &mut ChaCha8Rng) -> Result<()>,
+) -> Result<Duration> {
     let mut runs = Vec::new();
     for _ in 0..spec.repeats.max(1) {
         let started = Instant::now();
@@ -355,13 +363,7 @@ fn verify(
         }
         runs.push(started.elapsed() / spec.decode_steps.max(1) as u32);
     }
-    Ok(BenchRow::Verify {
-        batch,
-        context,
-        width,
-        step: median(runs),
-        decode_step,
-    })
+    Ok(median(runs))
 }
 
 /// Prefills the first sequence to `context` tokens and copies its pages to the others through

@@ -309,6 +309,21 @@ impl Forward<'_> {
         let input = self.normed_input(stream, w.attn_norm, qkv)?;
         self.project(input, w.wqkv, self.ws.wide, qkv)?;
         let (k_cache, v_cache) = (self.pool.cache(layer, false), self.pool.cache(layer, true));
+        // Every token's k and v into the cache (and, for prefill attention, its q rotated).
+        let append = |write_q: bool| {
+            self.kernels.rope_kv_append(&RopeKv {
+                qkv: self.ws.wide,
+                bias: w.bqkv,
+                inv_freq: self.weights.inv_freq(),
+                positions: self.meta.positions,
+                slots: self.meta.slots,
+                k_cache,
+                v_cache,
+                shape,
+                tokens,
+                write_q,
+            })
+        };
         match mode {
             AttentionMode::Decode {
                 rows,
@@ -316,18 +331,7 @@ impl Forward<'_> {
                 append_first,
             } => {
                 if append_first {
-                    self.kernels.rope_kv_append(&RopeKv {
-                        qkv: self.ws.wide,
-                        bias: w.bqkv,
-                        inv_freq: self.weights.inv_freq(),
-                        positions: self.meta.positions,
-                        slots: self.meta.slots,
-                        k_cache,
-                        v_cache,
-                        shape,
-                        tokens,
-                        write_q: false,
-                    })?;
+                    append(false)?;
                 }
                 let attention = DecodeAttention {
                     qkv: self.ws.wide,
@@ -349,18 +353,7 @@ impl Forward<'_> {
                 self.kernels.decode_attention(&attention, rows, &split)?
             }
             AttentionMode::Prefill { items, splits } => {
-                self.kernels.rope_kv_append(&RopeKv {
-                    qkv: self.ws.wide,
-                    bias: w.bqkv,
-                    inv_freq: self.weights.inv_freq(),
-                    positions: self.meta.positions,
-                    slots: self.meta.slots,
-                    k_cache,
-                    v_cache,
-                    shape,
-                    tokens,
-                    write_q: true,
-                })?;
+                append(true)?;
                 let attention = Attention {
                     qkv: self.ws.wide,
                     k_cache,
