@@ -516,16 +516,7 @@ impl CudaBackend {
             )?;
             forward.logits(0, rows)?;
         }
-        self.kernels.sample_rows(
-            self.ws.logits,
-            self.config.vocab_size,
-            self.meta.buffers().sample_params,
-            self.ws.sampled,
-            DPtr::NULL,
-            rows,
-        )?;
-        let mut picked = vec![0u32; rows];
-        self.device.download(self.ws.sampled, &mut picked)?;
+        let picked = self.pick_on_device(rows)?;
         let mut next = 0;
         let mut picks = Vec::with_capacity(plan.rows.len());
         for (((row, sampler), &drafted), after) in plan
@@ -547,6 +538,22 @@ impl CudaBackend {
             });
         }
         Ok(Some(picks))
+    }
+
+    /// Picks from logit rows `0..rows` on the device, with the step's sample parameters (no
+    /// grammar masks), and downloads the picks.
+    fn pick_on_device(&self, rows: usize) -> Result<Vec<u32>> {
+        self.kernels.sample_rows(
+            self.ws.logits,
+            self.config.vocab_size,
+            self.meta.buffers().sample_params,
+            self.ws.sampled,
+            DPtr::NULL,
+            rows,
+        )?;
+        let mut picked = vec![0u32; rows];
+        self.device.download(self.ws.sampled, &mut picked)?;
+        Ok(picked)
     }
 
     /// Downloads logit rows `first..first + rows` (projecting them first unless `projected`).
@@ -740,16 +747,7 @@ impl Backend for CudaBackend {
             ));
         }
         self.forward().logits(0, layout.logit_rows)?;
-        self.kernels.sample_rows(
-            self.ws.logits,
-            self.config.vocab_size,
-            self.meta.buffers().sample_params,
-            self.ws.sampled,
-            DPtr::NULL,
-            layout.logit_rows,
-        )?;
-        let mut picked = vec![0u32; layout.logit_rows];
-        self.device.download(self.ws.sampled, &mut picked)?;
+        let picked = self.pick_on_device(layout.logit_rows)?;
         let mut next = 0;
         let mut picks = Vec::with_capacity(plan.rows.len());
         for ((row, sampler), &drafted) in plan.rows.iter().zip(samplers.iter()).zip(drafts) {
