@@ -79,6 +79,11 @@ struct BenchArgs {
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=8))]
     verify_width: u16,
 
+    /// Contexts whose restore from a device snapshot is timed: the copy alone, and with the
+    /// step that gives the restored prompt its first token.
+    #[arg(long, value_delimiter = ',')]
+    restore_contexts: Vec<usize>,
+
     /// Runs per figure; the median is reported.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
@@ -789,6 +794,7 @@ fn bench(cache_dir: &Path, args: BenchArgs) -> Result<()> {
         contexts: args.contexts.clone(),
         decode_steps: args.decode_steps,
         verify_width: args.verify_width as usize,
+        restore_contexts: args.restore_contexts.clone(),
         repeats: args.repeats,
         prefill_chunk: 512,
         seed: 0,

@@ -29,6 +29,9 @@ pub struct BenchSpec {
     /// When above 1: after each decode figure, steps whose rows each verify a draft of
     /// `verify_width - 1` tokens after their last one, timed the same way.
     pub verify_width: usize,
+    /// Contexts whose restore from a device snapshot is timed: the copy back into the pool
+    /// alone, and with the one-token step that gives a fully restored prompt its first token.
+    pub restore_contexts: Vec<usize>,
     pub repeats: usize,
     /// Largest prefill step when filling decode contexts.
     pub prefill_chunk: usize,
@@ -49,7 +52,13 @@ impl BenchSpec {
             .positions_per_sequence(longest)
             .next_multiple_of(page_tokens);
         let decode = self.decode_batches.iter().copied().max().unwrap_or(0) * per_sequence;
-        prefill.max(decode)
+        let restore = self
+            .restore_contexts
+            .iter()
+            .map(|&c| 2 * c.next_multiple_of(page_tokens))
+            .max()
+            .unwrap_or(0);
+        prefill.max(decode).max(restore)
     }
 
     /// The most tokens one step holds.
@@ -86,6 +95,15 @@ pub enum BenchRow {
         width: usize,
         step: Duration,
         decode_step: Duration,
+    },
+    /// A sequence's pages scattered back from a device snapshot of `context` tokens.
+    Restore {
+        context: usize,
+        bytes: u64,
+        copy: Duration,
+        /// The copy and then the step that computes the prompt's last token again and picks
+        /// the next: the engine's part of a fully restored prompt's first token.
+        first_token: Duration,
     },
     /// A configuration the backend cannot hold.
     Skipped { what: String, reason: String },
@@ -134,6 +152,20 @@ impl std::fmt::Display for BenchRow {
                  {:.2}x a decode step",
                 step.as_secs_f64() * 1e3,
                 step.as_secs_f64() / decode_step.as_secs_f64()
+            ),
+            BenchRow::Restore {
+                context,
+                bytes,
+                copy,
+                first_token,
+            } => write!(
+                f,
+                "restore  context {context:>6}  {:>8.1} MB  {:>9.3} ms copy ({:.0} GB/s)  \
+                 {:>9.3} ms with the first token",
+                *bytes as f64 / 1e6,
+                copy.as_secs_f64() * 1e3,
+                *bytes as f64 / copy.as_secs_f64() / 1e9,
+                first_token.as_secs_f64() * 1e3
             ),
             BenchRow::Skipped { what, reason } => write!(f, "{what}: skipped ({reason})"),
         }
@@ -191,6 +223,9 @@ pub fn run(
             }
         }
     }
+    for &context in &spec.restore_contexts {
+        report(restore(backend, &mut rng, spec, context)?);
+    }
     Ok(rows)
 }
 
@@ -225,6 +260,93 @@ fn check_capacity(
         ));
     }
     Ok(())
+}
+
+/// Computes `context` random tokens into the pages of `table`, in chunks of
+/// `spec.prefill_chunk`; returns the tokens.
+fn prefill_context(
+    backend: &mut dyn Backend,
+    rng: &mut ChaCha8Rng,
+    spec: &BenchSpec,
+    table: &[PageId],
+    context: usize,
+) -> Result<Vec<u32>> {
+    let vocab = backend.info().vocab_size;
+    let chunk = spec.prefill_chunk.max(1);
+    let prompt = random_tokens(rng, vocab, context);
+    for (i, part) in prompt.chunks(chunk).enumerate() {
+        let row = RowPlan {
+            tokens: part.to_vec(),
+            start_pos: i * chunk,
+            pages: table.to_vec(),
+            logits: LogitsWanted::None,
+        };
+        backend.step(&StepPlan { rows: vec![row] })?;
+    }
+    Ok(prompt)
+}
+
+/// Times restoring a `context`-token snapshot into a second sequence's pages, as a server
+/// does when a prompt repeats: the copy with its checksum verdict, and the copy followed by
+/// the step that computes the last prompt token again and picks the first new one.
+fn restore(
+    backend: &mut dyn Backend,
+    rng: &mut ChaCha8Rng,
+    spec: &BenchSpec,
+    context: usize,
+) -> Result<BenchRow> {
+    let what = format!("restore context {context}");
+    if let Err(reason) = check_capacity(backend, 2, context) {
+        return Ok(BenchRow::Skipped { what, reason });
+    }
+    let geometry = backend.info().geometry;
+    let pages = geometry.pages_for(context);
+    let table =
+        |s: usize| -> Vec<PageId> { (0..pages).map(|i| PageId((s * pages + i) as u32)).collect() };
+    let (source, target) = (table(0), table(1));
+    let prompt = prefill_context(backend, rng, spec, &source, context)?;
+    let bytes = (pages * geometry.page_bytes()) as u64;
+    let backing = BackingId(u64::MAX - 1);
+    backend.alloc_backing(backing, Tier::Device, bytes)?;
+    let copies = page_copies(&target);
+    backend.save_pages(backing, &page_copies(&source))?;
+    let copy_back = |backend: &mut dyn Backend| -> Result<()> {
+        backend.restore_pages(backing, &copies)?;
+        let verdicts = backend.restore_verdicts()?;
+        if verdicts.iter().all(|&intact| intact) {
+            Ok(())
+        } else {
+            Err(crate::error::EngineError::InvalidStep(
+                "bench: a restore read corrupt blocks".into(),
+            ))
+        }
+    };
+    copy_back(backend)?; // warm-up
+    let last = RowPlan {
+        tokens: vec![prompt[context - 1]],
+        start_pos: context - 1,
+        pages: target.clone(),
+        logits: LogitsWanted::Last,
+    };
+    sample_step(backend, vec![last.clone()])?; // warm-up
+    let (mut copy_runs, mut token_runs) = (Vec::new(), Vec::new());
+    for _ in 0..spec.repeats.max(1) {
+        let started = Instant::now();
+        copy_back(backend)?;
+        copy_runs.push(started.elapsed());
+        let started = Instant::now();
+        backend.restore_pages(backing, &copies)?;
+        sample_step(backend, vec![last.clone()])?;
+        backend.restore_verdicts()?;
+        token_runs.push(started.elapsed());
+    }
+    backend.free_backing(backing)?;
+    Ok(BenchRow::Restore {
+        context,
+        bytes,
+        copy: median(copy_runs),
+        first_token: median(token_runs),
+    })
 }
 
 fn greedy() -> Sampler {
@@ -375,18 +497,7 @@ fn fill_contexts(
     tables: &[Vec<PageId>],
     context: usize,
 ) -> Result<()> {
-    let vocab = backend.info().vocab_size;
-    let chunk = spec.prefill_chunk.max(1);
-    let prompt = random_tokens(rng, vocab, context);
-    for (i, part) in prompt.chunks(chunk).enumerate() {
-        let row = RowPlan {
-            tokens: part.to_vec(),
-            start_pos: i * chunk,
-            pages: tables[0].clone(),
-            logits: LogitsWanted::None,
-        };
-        backend.step(&StepPlan { rows: vec![row] })?;
-    }
+    prefill_context(backend, rng, spec, &tables[0], context)?;
     let geometry = backend.info().geometry;
     let pages = geometry.pages_for(context);
     let backing = BackingId(u64::MAX - context as u64);
@@ -395,17 +506,21 @@ fn fill_contexts(
         Tier::Device,
         (pages * geometry.page_bytes()) as u64,
     )?;
-    let copies = |table: &[PageId]| -> Vec<PageCopy> {
-        (0..pages)
-            .map(|i| PageCopy {
-                snapshot_page: i as u32,
-                pool_page: table[i],
-            })
-            .collect()
-    };
-    backend.save_pages(backing, &copies(&tables[0]))?;
+    backend.save_pages(backing, &page_copies(&tables[0][..pages]))?;
     for table in &tables[1..] {
-        backend.restore_pages(backing, &copies(table))?;
+        backend.restore_pages(backing, &page_copies(&table[..pages]))?;
     }
     backend.free_backing(backing)
+}
+
+/// Snapshot page `i` to or from pool page `table[i]`, for every page of `table`.
+fn page_copies(table: &[PageId]) -> Vec<PageCopy> {
+    table
+        .iter()
+        .enumerate()
+        .map(|(i, &pool_page)| PageCopy {
+            snapshot_page: i as u32,
+            pool_page,
+        })
+        .collect()
 }
