@@ -21,12 +21,95 @@ use super::Model;
 use super::error::ApiError;
 
 /// A prompt as OpenAI allows it: text, token ids, or a list of one text.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug)]
 pub enum Prompt {
     Text(String),
     Tokens(Vec<u32>),
     Texts(Vec<String>),
+}
+
+/// Told apart by the JSON's shape as it is read: a list's first element says which list it is,
+/// and the rest are read as that, so a prompt of a whole context of token ids is parsed once,
+/// with no copy of it held aside to try each shape in turn (as an untagged enum would).
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(PromptVisitor)
+    }
+}
+
+const PROMPT_SHAPES: &str = "a string, a list of token ids, or a list of one string";
+
+struct PromptVisitor;
+
+impl<'de> serde::de::Visitor<'de> for PromptVisitor {
+    type Value = Prompt;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(PROMPT_SHAPES)
+    }
+
+    fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Prompt, E> {
+        Ok(Prompt::Text(text.to_owned()))
+    }
+
+    fn visit_string<E: serde::de::Error>(self, text: String) -> Result<Prompt, E> {
+        Ok(Prompt::Text(text))
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
+        match seq.next_element::<PromptItem>()? {
+            None => Ok(Prompt::Tokens(Vec::new())),
+            Some(PromptItem::Token(first)) => {
+                let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0) + 1);
+                ids.push(first);
+                while let Some(id) = seq.next_element::<u32>()? {
+                    ids.push(id);
+                }
+                Ok(Prompt::Tokens(ids))
+            }
+            Some(PromptItem::Text(first)) => {
+                let mut texts = vec![first];
+                while let Some(text) = seq.next_element::<String>()? {
+                    texts.push(text);
+                }
+                Ok(Prompt::Texts(texts))
+            }
+        }
+    }
+}
+
+/// The first element of a list prompt.
+enum PromptItem {
+    Token(u32),
+    Text(String),
+}
+
+impl<'de> Deserialize<'de> for PromptItem {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ItemVisitor;
+        impl<'de> serde::de::Visitor<'de> for ItemVisitor {
+            type Value = PromptItem;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(PROMPT_SHAPES)
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, id: u64) -> Result<PromptItem, E> {
+                u32::try_from(id).map(PromptItem::Token).map_err(|_| {
+                    E::invalid_value(serde::de::Unexpected::Unsigned(id), &"a token id")
+                })
+            }
+
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<PromptItem, E> {
+                Ok(PromptItem::Text(text.to_owned()))
+            }
+
+            fn visit_string<E: serde::de::Error>(self, text: String) -> Result<PromptItem, E> {
+                Ok(PromptItem::Text(text))
+            }
+        }
+        deserializer.deserialize_any(ItemVisitor)
+    }
 }
 
 /// `stop`: one string or a list of them.

@@ -89,7 +89,7 @@ fn not_json(error: serde_json::Error) -> ApiError {
 }
 
 /// serde's message without its Rust types and position: `expected usize` says "a non-negative
-/// integer", an untagged enum's failure the shapes it takes.
+/// integer", an untagged enum's failure the shapes it takes (a prompt's visitor names its own).
 fn in_api_words(error: &serde_json::Error) -> String {
     let message = error.to_string();
     let message = message
@@ -98,10 +98,6 @@ fn in_api_words(error: &serde_json::Error) -> String {
         .unwrap_or(&message)
         .to_string();
     let shapes = [
-        (
-            "untagged enum Prompt",
-            "a string, a list of token ids, or a list of one string",
-        ),
         ("untagged enum Stop", "a string or a list of strings"),
         (
             "untagged enum Content",
