@@ -462,7 +462,7 @@ impl Engine {
         samplers: &mut [Option<Box<Sampler>>],
         row_steps: &[usize],
         drafts: &[usize],
-        first_step_seconds: &mut f64,
+        first_step: &mut (f64, bool),
         cut_short: &mut bool,
     ) -> Result<SampledTokens, String> {
         let rows = plan.rows.len();
@@ -473,7 +473,7 @@ impl Engine {
             if !row_steps.is_empty() {
                 return Err("a step cannot both verify drafts and decode several steps".into());
             }
-            return self.verify(plan, samplers, drafts, first_step_seconds);
+            return self.verify(plan, samplers, drafts, first_step);
         }
         let steps = row_steps.iter().copied().max().unwrap_or(1);
         if steps > 1 {
@@ -487,7 +487,10 @@ impl Engine {
             .backend
             .step_and_sample(plan, &mut lent)
             .map_err(|e| e.to_string())?;
-        *first_step_seconds = started.elapsed().as_secs_f64();
+        *first_step = (
+            started.elapsed().as_secs_f64(),
+            self.backend.last_step_captured(),
+        );
         for (i, token) in first.into_iter().enumerate() {
             if let Some(token) = token {
                 sampled.push(i, token);
@@ -527,7 +530,7 @@ impl Engine {
         plan: &StepPlan,
         samplers: &mut [Option<Box<Sampler>>],
         drafts: &[usize],
-        first_step_seconds: &mut f64,
+        first_step: &mut (f64, bool),
     ) -> Result<SampledTokens, String> {
         let mut lent: Vec<Option<&mut Sampler>> =
             samplers.iter_mut().map(|s| s.as_deref_mut()).collect();
@@ -536,7 +539,10 @@ impl Engine {
             .backend
             .step_and_verify(plan, &mut lent, drafts)
             .map_err(|e| e.to_string())?;
-        *first_step_seconds = started.elapsed().as_secs_f64();
+        *first_step = (
+            started.elapsed().as_secs_f64(),
+            self.backend.last_step_captured(),
+        );
         let stride = picks.iter().map(Vec::len).max().unwrap_or(1);
         let mut sampled = SampledTokens::new(plan.rows.len(), stride);
         for (i, row) in picks.into_iter().enumerate() {
@@ -650,14 +656,14 @@ impl Engine {
             .collect();
         // Restores planned while a snapshot was demoting are queued: its device copy may go.
         self.free_demoted_sources();
-        let mut first_step_seconds = 0.0;
+        let mut first_step = (0.0, false);
         let mut cut_short = false;
         let forward = self.forward(
             &mut step.plan,
             &mut step.samplers,
             &step.row_steps,
             &step.drafts,
-            &mut first_step_seconds,
+            &mut first_step,
             &mut cut_short,
         );
         let forwarded = began.elapsed();
@@ -696,7 +702,8 @@ impl Engine {
             restores,
             forks,
             forward,
-            first_step_seconds,
+            first_step_seconds: first_step.0,
+            first_step_captured: first_step.1,
             cut_short,
             samplers: step.samplers,
             saves,

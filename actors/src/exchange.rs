@@ -228,6 +228,9 @@ pub struct EngineStepReply {
     pub forward: Result<SampledTokens, String>,
     /// Seconds the forward pass's first step took, sampling included (0 without rows).
     pub first_step_seconds: f64,
+    /// The first step captured a CUDA graph: its time is not what such a step costs, and the
+    /// scheduler's step-time models leave it out.
+    pub first_step_captured: bool,
     /// A multi-step decode ended before its rows' step counts because the interrupt was
     /// raised (a request arrived or was cancelled).
     pub cut_short: bool,
@@ -269,6 +272,7 @@ impl EngineStepReply {
             forks: vec![Err(reason.to_string()); shape.forks],
             forward: Err(reason.to_string()),
             first_step_seconds: 0.0,
+            first_step_captured: false,
             cut_short: false,
             samplers: (0..shape.rows).map(|_| None).collect(),
             saves: vec![Err(reason.to_string()); shape.saves],

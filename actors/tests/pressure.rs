@@ -132,7 +132,8 @@ async fn under_pressure_speculative_decoding_still_gives_every_job_its_tokens() 
     let vocab = model.files.config.vocab_size;
     let requests = crowding(vocab, |i| 57 + i);
     let expected: Vec<Vec<u32>> = requests.iter().map(|r| solo(&model.files, r)).collect();
-    let toml = crowded("preempt") + "[speculative]\nmethod = \"prompt_lookup\"\n";
+    let toml = crowded("preempt")
+        + "[speculative]\nmethod = \"prompt_lookup\"\ndraft_sizing = \"whole\"\n";
     let config = serve_config(&model.files, policies(&toml));
     let handles = actors::start(Box::new(cpu_backend(&model.files, 24)), config).unwrap();
     let completions = run_all(&handles, &requests).await;

@@ -316,6 +316,13 @@ pub trait Backend: Send {
         None
     }
 
+    /// Whether the last step paid a one-time cost that the same step will not pay again (on
+    /// CUDA: it captured the graph it then replayed), so its time says little of what such a
+    /// step costs.
+    fn last_step_captured(&self) -> bool {
+        false
+    }
+
     /// Allocates the buffer of a snapshot of `bytes` in `tier`. Fails, holding nothing, when
     /// the memory is not there.
     fn alloc_backing(&mut self, backing: BackingId, tier: Tier, bytes: u64) -> Result<()>;

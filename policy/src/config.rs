@@ -45,6 +45,18 @@ pub enum SpeculativeMethod {
     PromptLookup,
 }
 
+/// How long each draft is ([`crate::draft_length`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DraftSizing {
+    /// As many of the proposed tokens as are expected to add more than they cost, by each
+    /// request's acceptance so far and the step time learnt from decode and verify steps.
+    #[default]
+    ByCost,
+    /// Every proposed token, up to `draft_tokens`.
+    Whole,
+}
+
 /// `[speculative]`: speculative decoding, drafts verified inside the scheduler's steps.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -59,6 +71,8 @@ pub struct SpeculativeConfig {
     /// Above this many running sequences speculation switches itself off: a busy GPU has no
     /// compute to spare for verifying tokens that may be refused.
     pub max_batch: usize,
+    /// How much of each proposal is verified.
+    pub draft_sizing: DraftSizing,
 }
 
 impl Default for SpeculativeConfig {
@@ -69,6 +83,7 @@ impl Default for SpeculativeConfig {
             ngram_min: 1,
             ngram_max: 3,
             max_batch: 8,
+            draft_sizing: DraftSizing::ByCost,
         }
     }
 }
@@ -1042,6 +1057,9 @@ mod tests {
             ),
             (SpeculativeMethod::PromptLookup, 5, 4)
         );
+        assert_eq!(p.speculative.draft_sizing, DraftSizing::ByCost);
+        let whole = Policies::from_toml("[speculative]\ndraft_sizing = \"whole\"\n").unwrap();
+        assert_eq!(whole.speculative.draft_sizing, DraftSizing::Whole);
         for bad in [
             "draft_tokens = 8",
             "draft_tokens = 0",

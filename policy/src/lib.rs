@@ -11,10 +11,13 @@
 //! - [`backoff`]: per-job capped exponential back-off with jitter ([`Backoff`]).
 //! - [`step_time`]: the learnt time of an engine step, which sizes prompt chunks to
 //!   `admission.max_step_ms` ([`StepTimeModel`]).
+//! - [`draft_length`]: how many drafted tokens each row of a step verifies, by what a token is
+//!   expected to add against what it costs ([`draft_lengths`], [`Acceptance`]).
 //! - [`error`]: the crate's one error type, [`PolicyError`].
 
 pub mod backoff;
 pub mod config;
+pub mod draft_length;
 pub mod error;
 pub mod eviction;
 pub mod reservation;
@@ -23,9 +26,10 @@ pub mod step_time;
 pub use backoff::{Backoff, BackoffPolicy, BackoffStep, OnExhausted};
 pub use config::{
     AdmissionConfig, AdmissionPolicy, BackendKind, BackoffConfig, CacheConfig, CachePolicy, Config,
-    EngineConfig, MAX_VERIFY_WIDTH, Policies, PoolSize, ServerConfig, ServerPolicy, SnapshotConfig,
-    SnapshotPolicy, SpeculativeConfig, SpeculativeMethod,
+    DraftSizing, EngineConfig, MAX_VERIFY_WIDTH, Policies, PoolSize, ServerConfig, ServerPolicy,
+    SnapshotConfig, SnapshotPolicy, SpeculativeConfig, SpeculativeMethod,
 };
+pub use draft_length::{Acceptance, DraftOffer, draft_lengths};
 pub use error::PolicyError;
 pub use eviction::{EvictionKind, EvictionPolicy, Lru};
 pub use reservation::ReservationPolicy;

@@ -84,21 +84,28 @@ impl StepTimeModel {
             return None;
         }
         let (mean_x, mean_y) = (self.x / self.w, self.y / self.w);
-        let proportional = StepTimeFit {
+        self.linear().or(Some(StepTimeFit {
             fixed_seconds: 0.0,
             per_token_seconds: (mean_y / mean_x).max(f64::MIN_POSITIVE),
-        };
+        }))
+    }
+
+    /// The fit when the recent steps tell the two terms apart: their sizes spread enough and
+    /// the line has a positive slope and no negative fixed part. (Where [`Self::fit`] falls
+    /// back to charging the whole time per token, this says nothing.)
+    pub fn linear(&self) -> Option<StepTimeFit> {
+        if self.w == 0.0 || self.x <= 0.0 {
+            return None;
+        }
+        let (mean_x, mean_y) = (self.x / self.w, self.y / self.w);
         let variance = (self.xx / self.w - mean_x * mean_x).max(0.0);
         if variance.sqrt() < MIN_RELATIVE_SPREAD * mean_x {
-            return Some(proportional);
+            return None;
         }
         let slope = (self.xy / self.w - mean_x * mean_y) / variance;
         let fixed = mean_y - slope * mean_x;
-        if slope <= 0.0 || fixed < 0.0 {
-            // Noise, or a cost that is not linear in the tokens: the safe reading.
-            return Some(proportional);
-        }
-        Some(StepTimeFit {
+        // Else noise, or a cost that is not linear in the tokens.
+        (slope > 0.0 && fixed >= 0.0).then_some(StepTimeFit {
             fixed_seconds: fixed,
             per_token_seconds: slope,
         })
@@ -130,6 +137,7 @@ mod tests {
         let fit = model.fit().unwrap();
         assert!(close(fit.fixed_seconds, 0.02), "{fit:?}");
         assert!(close(fit.per_token_seconds, 0.003), "{fit:?}");
+        assert_eq!(model.linear(), Some(fit));
         assert_eq!(fit.tokens_within(Duration::from_millis(250)), 76);
         assert_eq!(fit.tokens_within(Duration::from_millis(10)), 0);
     }
@@ -143,6 +151,7 @@ mod tests {
         let fit = model.fit().unwrap();
         assert_eq!(fit.fixed_seconds, 0.0);
         assert!(close(fit.per_token_seconds, 0.005));
+        assert_eq!(model.linear(), None, "a slope it cannot know");
     }
 
     #[test]
@@ -152,6 +161,7 @@ mod tests {
         model.observe(100, 0.1);
         let fit = model.fit().unwrap();
         assert_eq!(fit.fixed_seconds, 0.0);
+        assert_eq!(model.linear(), None);
         // The weighted means: the older step counts 0.9.
         let expected = (0.9 * 0.5 + 0.1) / (0.9 * 10.0 + 100.0);
         assert!(close(fit.per_token_seconds, expected), "{fit:?}");

@@ -70,9 +70,8 @@ pub(crate) struct Job {
     pub cut: bool,
     pub submitted_at: Instant,
     pub usage: Usage,
-    /// The most tokens its next draft may propose (speculative decoding): one more than the
-    /// last verification kept, so it follows how well drafts have fared.
-    pub draft_len: usize,
+    /// How often its drafted tokens were kept (speculative decoding), which sizes its drafts.
+    pub acceptance: policy::Acceptance,
 }
 
 impl Job {
@@ -115,7 +114,7 @@ impl Job {
             cut: false,
             submitted_at,
             usage,
-            draft_len: policy::MAX_VERIFY_WIDTH - 1,
+            acceptance: policy::Acceptance::default(),
         }
     }
 

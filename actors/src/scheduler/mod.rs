@@ -143,6 +143,11 @@ pub struct Scheduler {
     limit: SequenceLimit,
     /// Learns how long a step of so many tokens takes, to size prompt chunks.
     step_time: StepTimeModel,
+    /// The same, over steps of one-token rows and their drafts only: what a drafted token
+    /// costs ([`policy::draft_lengths`]).
+    verify_time: StepTimeModel,
+    /// The last engine step queued saves, which the next one's forward waits behind.
+    saved_last_step: bool,
     hasher: PrefixHasher,
     rng: ChaCha8Rng,
     next_id: u64,
@@ -185,6 +190,8 @@ impl Scheduler {
                 config.page_tokens,
             ),
             step_time: StepTimeModel::new(),
+            verify_time: StepTimeModel::new(),
+            saved_last_step: false,
             hasher: PrefixHasher::new(config.salt, config.page_tokens),
             rng: ChaCha8Rng::seed_from_u64(config.seed),
             next_id: 0,

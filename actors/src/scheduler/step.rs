@@ -36,6 +36,8 @@ struct Row {
     /// `draft_at..draft_at + draft`.
     draft: usize,
     draft_at: usize,
+    /// Its job had a draft to offer and none of it was worth verifying.
+    declined: bool,
     /// Dropped when the pool could not extend the job.
     live: bool,
 }
@@ -49,6 +51,7 @@ impl Row {
             steps: 1,
             draft: 0,
             draft_at: 0,
+            declined: false,
             live: true,
         }
     }
@@ -160,6 +163,8 @@ pub(super) struct Draft {
     sent_rows: Vec<usize>,
     /// Tokens of the rows sent to the engine (of its first decode step, in a multi-step one).
     sent_tokens: usize,
+    /// Whether a row sent holds more than one token before its draft (a prompt chunk).
+    sent_prompt_chunk: bool,
     /// Jobs swept and operations sent to the store and the pool so far: a step with none and
     /// no engine step changed nothing.
     changes: usize,
@@ -183,6 +188,9 @@ impl Scheduler {
         let swept = self.sweep_cancelled();
         let mut drafted = Vec::new();
         let (rows, prefill_left) = self.plan_rows(now, &mut drafted);
+        for row in rows.iter().filter(|row| row.declined) {
+            self.running[row.job].acceptance.declined();
+        }
         let mut draft = Draft {
             rows,
             drafted,
@@ -435,10 +443,11 @@ impl Scheduler {
 
     /// Speculative decoding: with prompt lookup on and no more running requests than
     /// `speculative.max_batch`, gives each decode row the tokens the lookup proposes after its
-    /// job's tokens, at most the job's `draft_len`, `budget` in all, and no more than it may
-    /// still generate (less one: the verification adds a token of its own) or its sequence may
-    /// hold. Under the optimistic reservation a draft takes new pages only from those no
-    /// decode row needs. Samplers that read their history (penalties) pick one token a step.
+    /// job's tokens, as many as [`policy::draft_lengths`] finds worth their cost, `budget` in
+    /// all, and no more than it may still generate (less one: the verification adds a token of
+    /// its own) or its sequence may hold. Under the optimistic reservation a draft takes new
+    /// pages only from those no decode row needs. Samplers that read their history (penalties)
+    /// pick one token a step.
     fn plan_drafts(&self, rows: &mut [Row], drafted: &mut Vec<u32>, mut budget: usize) {
         let spec = &self.config.speculative;
         let requests = self.running.iter().filter(|j| !j.closing).count();
@@ -462,19 +471,43 @@ impl Scheduler {
             ngram_min: spec.ngram_min,
             ngram_max: spec.ngram_max,
         };
-        for row in rows.iter_mut() {
+        let mut proposals: Vec<(usize, Vec<u32>)> = Vec::new();
+        for (r, row) in rows.iter().enumerate() {
             let job = &self.running[row.job];
             let at_end = row.end == job.tokens.len();
             let plain = job.sampler.as_ref().is_some_and(|s| !s.reads_history());
             let room = (job.max_new - job.generated())
                 .saturating_sub(1)
                 .min(self.limit.tokens.saturating_sub(row.end));
-            let most = job.draft_len.min(spec.draft_tokens).min(room).min(budget);
+            let most = spec.draft_tokens.min(room).min(budget);
             if !at_end || !plain || most == 0 {
                 continue;
             }
             let proposal =
                 engine::speculative::DraftSource::propose(&mut lookup, &job.tokens, most);
+            if !proposal.is_empty() {
+                proposals.push((r, proposal));
+            }
+        }
+        let offers: Vec<policy::DraftOffer> = proposals
+            .iter()
+            .map(|(r, proposal)| policy::DraftOffer {
+                rate: self.running[rows[*r].job].acceptance.rate(),
+                proposed: proposal.len(),
+            })
+            .collect();
+        let tokens: usize = rows.iter().map(|row| row.end - row.start).sum();
+        let cost = match spec.draft_sizing {
+            policy::DraftSizing::ByCost => self.verify_time.linear(),
+            policy::DraftSizing::Whole => None,
+        };
+        let lengths = policy::draft_lengths(&offers, tokens, rows.len(), cost);
+        tracing::trace!("drafts: offers {offers:?}, cost {cost:?}: lengths {lengths:?}");
+        for ((r, mut proposal), length) in proposals.into_iter().zip(lengths) {
+            proposal.truncate(length.min(budget));
+            let row = &mut rows[r];
+            row.declined = length == 0;
+            let job = &self.running[row.job];
             let pages = (row.end + proposal.len())
                 .div_ceil(pt)
                 .saturating_sub(held_pages(job).max(row.end.div_ceil(pt)));
@@ -934,6 +967,7 @@ impl Scheduler {
             }
             draft.sent_rows.push(r);
             draft.sent_tokens += row.end - row.start + row.draft;
+            draft.sent_prompt_chunk |= row.end - row.start > 1;
         }
         let idle = step.plan.rows.is_empty()
             && step.restores.is_empty()
@@ -1076,10 +1110,21 @@ impl Scheduler {
         let mut ended: Vec<(usize, End)> = Vec::new();
         if let Some(reply) = reply {
             self.stats.multi_steps_cut_short += reply.cut_short as u64;
-            if reply.forward.is_ok() && draft.sent_tokens > 0 {
+            if reply.forward.is_ok() && draft.sent_tokens > 0 && !reply.first_step_captured {
                 self.step_time
                     .observe(draft.sent_tokens, reply.first_step_seconds);
+                // What a drafted token costs is learnt from steps of one-token rows and their
+                // drafts alone: the forward waits for copies queued before it (this step's
+                // restores and forks, the last step's saves).
+                let copies_before = !draft.restores.is_empty()
+                    || !draft.fork_copies.is_empty()
+                    || self.saved_last_step;
+                if !draft.sent_prompt_chunk && !copies_before {
+                    self.verify_time
+                        .observe(draft.sent_tokens, reply.first_step_seconds);
+                }
             }
+            self.saved_last_step = !draft.saves.is_empty();
             self.apply_engine_reply(&mut draft, reply, &mut ended);
         }
         ended.extend(
@@ -1292,14 +1337,13 @@ impl Scheduler {
         }
     }
 
-    /// Counts a verification that kept `kept` of the row's drafted tokens, and lets the job's
-    /// next draft be one longer than that.
+    /// Counts a verification that kept `kept` of the row's drafted tokens, and teaches the
+    /// job's acceptance, which sizes its next drafts.
     fn verified(&mut self, row: Row, kept: usize) {
         self.stats.drafted_tokens += row.draft as u64;
         self.stats.accepted_tokens += kept as u64;
         self.stats.verified[kept.min(policy::MAX_VERIFY_WIDTH - 1)] += 1;
-        let most = self.config.speculative.draft_tokens;
-        self.running[row.job].draft_len = (kept + 1).clamp(1, most);
+        self.running[row.job].acceptance.observe(row.draft, kept);
     }
 
     /// Gives back the positions a job holds past its tokens (drafted tokens refused, or a

@@ -698,7 +698,8 @@ fn verified_drafts_give_the_tokens_of_one_token_steps_and_refused_positions_go_b
     assert_eq!(off.drafted_tokens, 0);
     for reservation in ["worst_case", "optimistic"] {
         let toml = format!(
-            "[cache]\nreservation = \"{reservation}\"\n[speculative]\nmethod = \"prompt_lookup\"\n"
+            "[cache]\nreservation = \"{reservation}\"\n[speculative]\nmethod = \"prompt_lookup\"\n\
+             draft_sizing = \"whole\"\n"
         );
         let (speculated, on) = run_repeating(&toml, 50);
         assert_eq!(
@@ -722,10 +723,72 @@ fn verified_drafts_give_the_tokens_of_one_token_steps_and_refused_positions_go_b
 
 #[test]
 fn no_draft_is_longer_than_draft_tokens() {
-    let toml = "[speculative]\nmethod = \"prompt_lookup\"\ndraft_tokens = 2\n";
+    let toml =
+        "[speculative]\nmethod = \"prompt_lookup\"\ndraft_tokens = 2\ndraft_sizing = \"whole\"\n";
     let (_, on) = run_repeating(toml, 40);
     let verifications: u64 = on.verified.iter().sum();
     assert!(verifications > 0, "{on:?}");
     assert!(on.drafted_tokens <= 2 * verifications, "{on:?}");
     assert_eq!(on.verified[3..].iter().sum::<u64>(), 0, "{on:?}");
+}
+
+/// Drafts are sized by what a drafted token is expected to add against what it costs: none
+/// for a request whose drafts are seldom kept where each token adds a quarter of a step, the
+/// whole proposal where tokens are nearly free. (The learnt step time, and in the first case
+/// the request's acceptance, are set before each step, so the tiny model's own timings do not
+/// enter.)
+#[test]
+fn drafts_are_sized_by_what_a_drafted_token_costs() {
+    let mut h = Harness::new(64, "[speculative]\nmethod = \"prompt_lookup\"\n");
+    let prompt: Vec<u32> = (0..40u32).map(|i| 3 + i % 5).collect();
+    let params = SamplingParams {
+        max_tokens: 200,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let mut stream = h
+        .scheduler
+        .submit(GenerateRequest { prompt, params })
+        .unwrap();
+    // Eight steps, each planned with a step time of 10 ms plus `per_token` a token beyond the
+    // first (nothing learnt with `None`), and with `refused` the request's last ten drafts
+    // all refused: the tokens drafted.
+    let run = |h: &mut Harness, per_token: Option<f64>, refused: bool| {
+        let before = h.scheduler.stats().drafted_tokens;
+        for _ in 0..8 {
+            let mut cost = policy::StepTimeModel::new();
+            for tokens in per_token.map_or(&[][..], |_| &[1, 8, 1, 8]) {
+                cost.observe(*tokens, 0.010 + per_token.unwrap() * (tokens - 1) as f64);
+            }
+            h.scheduler.verify_time = cost;
+            if refused && let Some(job) = h.scheduler.running.first_mut() {
+                for _ in 0..10 {
+                    job.acceptance.observe(7, 0);
+                }
+            }
+            h.step();
+        }
+        h.scheduler.stats().drafted_tokens - before
+    };
+    // Prefill, and the first verifications: the whole proposals.
+    assert!(
+        run(&mut h, None, false) > 0,
+        "no drafts before anything is learnt"
+    );
+    assert_eq!(
+        run(&mut h, Some(0.0025), true),
+        0,
+        "drafts seldom kept, at a quarter of a step a token"
+    );
+    let cheap = run(&mut h, Some(0.0001), false);
+    assert!(
+        cheap >= 8 * 4,
+        "nearly free tokens, only {cheap} drafted in 8 steps"
+    );
+    let (tokens, end) = tokens(&mut stream);
+    assert!(
+        tokens.len() > 8 && end.is_none(),
+        "{} tokens, {end:?}",
+        tokens.len()
+    );
 }

@@ -767,6 +767,10 @@ impl Backend for CudaBackend {
         self.last_step_kernels
     }
 
+    fn last_step_captured(&self) -> bool {
+        self.last_replay.is_some_and(|replay| replay.captured)
+    }
+
     fn alloc_backing(&mut self, backing: BackingId, tier: Tier, bytes: u64) -> Result<()> {
         self.device.bind()?;
         self.backings.alloc(backing, tier, bytes)

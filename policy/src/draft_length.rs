@@ -1,0 +1,223 @@
+//! How many drafted tokens each row of a step verifies (speculative decoding).
+//!
+//! A drafted token costs the step a token's compute whether it is kept or not, and is worth a
+//! token only if the target keeps it. So a draft pays when the tokens it is expected to add
+//! are worth more than the time it adds: on a GPU at small batch a verify step of eight tokens
+//! costs little more than a decode step (it reads the same weights), and a draft pays even when
+//! most of it is refused; on a CPU a step's time grows with its tokens, and a draft that is
+//! usually refused makes decoding slower than no draft at all.
+//!
+//! Each request keeps an [`Acceptance`]: how often the target kept a drafted token it looked at
+//! (the first drafted token is always looked at, the next only if the first was kept), recent
+//! verifications counting most, and drifting back toward a prior while its drafts are declined
+//! (so that a request whose drafts failed tries again now and then). Position `k` of a draft is then kept with probability about
+//! `rate^k`. [`draft_lengths`] hands out drafted tokens one at a time, always to the row whose
+//! next token is most likely kept, while that token's expected yield per second is above the
+//! step's (tokens sampled per predicted second), using the linear step time the scheduler
+//! learns from its own decode and verify steps ([`StepTimeFit`]). Without such a fit (nothing
+//! learnt yet, or steps all of one size, so the cost of a token cannot be told from the cost
+//! of a step) every row verifies its whole proposal, which is also how the fit learns.
+//!
+//! Costs: O(drafted tokens × rows) per step, two floats per request.
+
+use crate::step_time::StepTimeFit;
+
+/// Weight the past keeps at each drafted token the target looks at: about the last seven (one
+/// whole draft) count.
+const KEEP: f64 = 0.85;
+
+/// Weight the evidence keeps, against the prior, at each step whose draft was declined.
+const DRIFT: f64 = 0.95;
+
+/// One request's record of its verifications, recent drafted tokens weighing most. It starts
+/// from a prior of four kept of five looked at, which fades like any other evidence: a
+/// proposal exists only where the context already repeats itself, and a short answer has no
+/// time to learn its way up from a cautious start.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Acceptance {
+    kept: f64,
+    looked: f64,
+}
+
+impl Default for Acceptance {
+    fn default() -> Self {
+        Acceptance {
+            kept: 4.0,
+            looked: 5.0,
+        }
+    }
+}
+
+impl Acceptance {
+    /// Records a verification of a `drafted`-token draft of which the first `kept` were kept.
+    pub fn observe(&mut self, drafted: usize, kept: usize) {
+        let looked = kept + usize::from(kept < drafted);
+        for i in 0..looked {
+            self.kept = self.kept * KEEP + f64::from(u8::from(i < kept));
+            self.looked = self.looked * KEEP + 1.0;
+        }
+    }
+
+    /// Records a step where its draft was not worth verifying: the estimate drifts back
+    /// toward the prior, so a request whose drafts were refused tries again after a while (its
+    /// text may have turned to copying its input), and keeps trying seldom if they still are.
+    pub fn declined(&mut self) {
+        let prior = Acceptance::default();
+        self.kept = self.kept * DRIFT + prior.kept * (1.0 - DRIFT);
+        self.looked = self.looked * DRIFT + prior.looked * (1.0 - DRIFT);
+    }
+
+    /// The estimated chance that a drafted token the target looks at is kept.
+    pub fn rate(&self) -> f64 {
+        self.kept / self.looked
+    }
+}
+
+/// A row of the step that has a draft to offer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DraftOffer {
+    /// Its request's [`Acceptance::rate`].
+    pub rate: f64,
+    /// Tokens its draft proposes.
+    pub proposed: usize,
+}
+
+/// How many of each offer's tokens to verify, in order: `tokens` is what the step holds without
+/// drafts, `sampled` how many tokens it picks without drafts (its rows that sample).
+pub fn draft_lengths(
+    offers: &[DraftOffer],
+    tokens: usize,
+    sampled: usize,
+    cost: Option<StepTimeFit>,
+) -> Vec<usize> {
+    let Some(cost) = cost else {
+        return offers.iter().map(|offer| offer.proposed).collect();
+    };
+    let mut lengths = vec![0; offers.len()];
+    // The next token of each row: its chance of being kept.
+    let mut next: Vec<f64> = offers.iter().map(|offer| offer.rate).collect();
+    let mut seconds = cost.seconds(tokens);
+    let mut expected = sampled.max(1) as f64;
+    loop {
+        let best = (0..offers.len())
+            .filter(|&i| lengths[i] < offers[i].proposed)
+            .max_by(|&a, &b| next[a].total_cmp(&next[b]));
+        let Some(i) = best else { break };
+        // Worth it when (expected + gain) / (seconds + cost) > expected / seconds.
+        let gain = next[i];
+        if gain * seconds <= cost.per_token_seconds * expected {
+            break;
+        }
+        lengths[i] += 1;
+        next[i] *= offers[i].rate;
+        expected += gain;
+        seconds += cost.per_token_seconds;
+    }
+    lengths
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fit(fixed_ms: f64, per_token_ms: f64) -> Option<StepTimeFit> {
+        Some(StepTimeFit {
+            fixed_seconds: fixed_ms / 1e3,
+            per_token_seconds: per_token_ms / 1e3,
+        })
+    }
+
+    fn offer(rate: f64, proposed: usize) -> DraftOffer {
+        DraftOffer { rate, proposed }
+    }
+
+    #[test]
+    fn without_a_cost_every_proposal_is_verified_whole() {
+        let offers = [offer(0.1, 7), offer(0.9, 3)];
+        assert_eq!(draft_lengths(&offers, 2, 2, None), vec![7, 3]);
+    }
+
+    #[test]
+    fn a_cheap_token_is_verified_even_when_seldom_kept() {
+        // A GPU at batch 1: a verify step of 8 costs ~1.1 decode steps.
+        let lengths = draft_lengths(&[offer(0.5, 7)], 1, 1, fit(4.3, 0.07));
+        assert!(lengths[0] >= 4, "{lengths:?}");
+        assert_eq!(
+            draft_lengths(&[offer(0.95, 7)], 1, 1, fit(4.3, 0.07)),
+            vec![7]
+        );
+    }
+
+    #[test]
+    fn a_costly_token_is_verified_only_when_likely_kept() {
+        // Two CPU cores: every token of a step adds a sixth of a decode step.
+        let cost = fit(15.0, 2.5);
+        assert_eq!(draft_lengths(&[offer(0.1, 7)], 1, 1, cost), vec![0]);
+        let likely = draft_lengths(&[offer(0.85, 7)], 1, 1, cost)[0];
+        assert!((3..=7).contains(&likely), "{likely}");
+        let less = draft_lengths(&[offer(0.6, 7)], 1, 1, cost)[0];
+        assert!(less < likely && less >= 1, "{less} against {likely}");
+    }
+
+    #[test]
+    fn each_kept_token_is_worth_what_the_step_yields() {
+        // The chosen length maximizes expected tokens per second for one row.
+        let cost = fit(15.0, 2.5);
+        for rate in [0.3, 0.5, 0.7, 0.8, 0.9, 0.97] {
+            let chosen = draft_lengths(&[offer(rate, 7)], 1, 1, cost)[0];
+            let per_second = |d: usize| {
+                let tokens: f64 = (0..=d).map(|k| rate.powi(k as i32)).sum();
+                tokens / cost.unwrap().seconds(1 + d)
+            };
+            let best = (0..=7).max_by(|&a, &b| per_second(a).total_cmp(&per_second(b)));
+            assert_eq!(Some(chosen), best, "rate {rate}");
+        }
+    }
+
+    #[test]
+    fn tokens_go_to_the_rows_most_likely_to_keep_them() {
+        let lengths = draft_lengths(
+            &[offer(0.3, 7), offer(0.9, 7), offer(0.6, 7)],
+            3,
+            3,
+            fit(15.0, 1.0),
+        );
+        assert!(
+            lengths[1] > lengths[2] && lengths[2] > lengths[0],
+            "{lengths:?}"
+        );
+        assert_eq!(
+            draft_lengths(&[offer(0.9, 2)], 1, 1, fit(15.0, 1.0)),
+            vec![2]
+        );
+    }
+
+    #[test]
+    fn acceptance_follows_recent_verifications() {
+        let mut a = Acceptance::default();
+        assert!((a.rate() - 0.8).abs() < 1e-12);
+        for _ in 0..10 {
+            a.observe(7, 7);
+        }
+        assert!(a.rate() > 0.9, "{}", a.rate());
+        for _ in 0..10 {
+            a.observe(4, 0);
+        }
+        assert!(a.rate() < 0.4, "{}", a.rate());
+        let before = a;
+        a.observe(0, 0);
+        assert_eq!(a, before, "no draft, nothing learnt");
+        // Declined drafts: back toward the prior, slowly.
+        let low = a.rate();
+        a.declined();
+        assert!(
+            a.rate() > low && a.rate() < low + 0.05,
+            "{low} {}",
+            a.rate()
+        );
+        for _ in 0..200 {
+            a.declined();
+        }
+        assert!((a.rate() - 0.8).abs() < 1e-3, "{}", a.rate());
+    }
+}
