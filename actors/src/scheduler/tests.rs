@@ -66,6 +66,18 @@ impl Harness {
             .unwrap()
     }
 
+    /// Submits `prompt`, greedy, generating exactly `max_tokens` (end-of-sequence ignored).
+    fn submit_exactly(&mut self, prompt: Vec<u32>, max_tokens: usize) -> RequestStream {
+        let params = SamplingParams {
+            max_tokens,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        };
+        self.scheduler
+            .submit(GenerateRequest { prompt, params })
+            .unwrap()
+    }
+
     /// Runs one step; returns the (start, token count) of each row the engine ran.
     fn step(&mut self) -> Vec<(usize, usize)> {
         self.step_outcome().0
@@ -628,15 +640,7 @@ fn a_finished_reply_is_saved_so_the_next_turn_restores_it_whole() {
 fn a_reply_whose_prompt_nobody_showed_before_is_not_saved() {
     let mut h = Harness::new(64, "[snapshots]\nsave_after_sightings = 2\n");
     let prompt: Vec<u32> = (0..70u32).map(|i| 3 + (i * 7) % 200).collect();
-    let params = SamplingParams {
-        max_tokens: 30,
-        ignore_eos: true,
-        ..SamplingParams::default()
-    };
-    let mut stream = h
-        .scheduler
-        .submit(GenerateRequest { prompt, params })
-        .unwrap();
+    let mut stream = h.submit_exactly(prompt, 30);
     run_choices(&mut h, std::slice::from_mut(&mut stream));
     h.step();
     assert_eq!(h.pool.stats().used_pages, 0);
@@ -653,15 +657,7 @@ fn run_repeating(toml: &str, max_tokens: usize) -> (Vec<u32>, super::SchedulerSt
     // and is refused.
     let mut prompt: Vec<u32> = (0..40u32).map(|i| 3 + i % 5).collect();
     prompt[10] = 7;
-    let params = SamplingParams {
-        max_tokens,
-        ignore_eos: true,
-        ..SamplingParams::default()
-    };
-    let mut stream = h
-        .scheduler
-        .submit(GenerateRequest { prompt, params })
-        .unwrap();
+    let mut stream = h.submit_exactly(prompt, max_tokens);
     let mut out = Vec::new();
     for _ in 0..4 * max_tokens {
         h.step();
@@ -741,15 +737,7 @@ fn no_draft_is_longer_than_draft_tokens() {
 fn drafts_are_sized_by_what_a_drafted_token_costs() {
     let mut h = Harness::new(64, "[speculative]\nmethod = \"prompt_lookup\"\n");
     let prompt: Vec<u32> = (0..40u32).map(|i| 3 + i % 5).collect();
-    let params = SamplingParams {
-        max_tokens: 200,
-        ignore_eos: true,
-        ..SamplingParams::default()
-    };
-    let mut stream = h
-        .scheduler
-        .submit(GenerateRequest { prompt, params })
-        .unwrap();
+    let mut stream = h.submit_exactly(prompt, 200);
     // Eight steps, each planned with a step time of 10 ms plus `per_token` a token beyond the
     // first (nothing learnt with `None`), and with `refused` the request's last ten drafts
     // all refused: the tokens drafted.
