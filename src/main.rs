@@ -842,11 +842,7 @@ fn cuda_bench_backend(cache_dir: &Path, args: &BenchArgs, spec: &BenchSpec) -> R
         programmatic_launch: !args.no_programmatic_launch,
         pool: PoolSize::MemoryFraction(1.0),
         device_snapshot_bytes: 0,
-        ..CudaOptions::for_tokens(
-            0,
-            spec.max_step_tokens(),
-            spec.decode_batches.iter().copied().max().unwrap_or(1),
-        )
+        ..CudaOptions::for_tokens(0, spec.max_step_tokens(), spec.max_rows())
     };
     let (backend, what) = match (&args.model_config, args.random_weights) {
         (Some(path), true) => {

@@ -61,6 +61,13 @@ impl BenchSpec {
         prefill.max(decode).max(restore)
     }
 
+    /// The most rows one step holds: a verify step runs each row's positions as rows of their
+    /// own (on CUDA), so a backend sized for fewer would run it without its graphs.
+    pub fn max_rows(&self) -> usize {
+        let batch = self.decode_batches.iter().copied().max().unwrap_or(1);
+        batch.max(1) * self.verify_width.max(1)
+    }
+
     /// The most tokens one step holds.
     pub fn max_step_tokens(&self) -> usize {
         let prefill = self.prompt_lengths.iter().copied().max().unwrap_or(0);
