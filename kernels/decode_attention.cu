@@ -48,10 +48,10 @@
 #endif
 // Query heads per block (rows of the mma's A operand used).
 #define DECODE_GROUP 4
-// Blocks a multiprocessor must be able to hold (caps the registers a thread may use); the
-// tiles' shared memory holds it to two anyway.
+// Blocks a multiprocessor must be able to hold (caps the registers a thread may use): three, as
+// many as the tiles' shared memory allows.
 #ifndef DECODE_MIN_BLOCKS
-#define DECODE_MIN_BLOCKS 2
+#define DECODE_MIN_BLOCKS 3
 #endif
 
 struct DecodeRow {
@@ -187,11 +187,12 @@ __device__ void decode_attention(const DecodeArgs& a) {
     constexpr int LPK = D / 8;  // lanes per head in the prologue, 8 dimensions each
     constexpr int STRIDE = D + 8, KS = D / 16, NT = D / 8, TILE = KEY_TILE * STRIDE;
     constexpr int WARP_KEYS = KEY_TILE / DECODE_WARPS;  // 16: one mma k-step of P·V
-    __shared__ float s_m[DECODE_WARPS][DECODE_GROUP], s_l[DECODE_WARPS][DECODE_GROUP];
-    __shared__ float s_acc[DECODE_WARPS][DECODE_GROUP][D];
-    __shared__ __align__(16) bf16 s_q[16 * STRIDE];
     __shared__ bool s_last;
-    extern __shared__ __align__(16) bf16 decode_tiles[];  // [stage][K, V][TILE]
+    // [stage][K, V][TILE]. What the block keeps outside the loop over tiles lives in the same
+    // bytes, so three blocks fit a multiprocessor: the query rows in stage 1 until the first
+    // copy into it, the warps' softmax states in stage 0 after the last tile.
+    extern __shared__ __align__(16) bf16 decode_tiles[];
+    bf16* s_q = decode_tiles + 2 * TILE;
 
     u32 group = a.heads / a.kv_heads, chunks = (group + DECODE_GROUP - 1) / DECODE_GROUP;
     u32 kvh = blockIdx.y / chunks, chunk = blockIdx.y % chunks;
@@ -235,6 +236,7 @@ __device__ void decode_attention(const DecodeArgs& a) {
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk)
         ldmatrix_x4(qa[kk], s_q + ((lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + kk * 16 + (lane >> 4) * 8);
+    __syncthreads();  // every warp has its q before stage 1 is overwritten
 
     // Tiles of KEY_TILE keys go through shared memory as in prefill attention, the next one's
     // copy in flight; each warp takes 16 keys of a tile with its own online softmax, so the
@@ -296,19 +298,27 @@ __device__ void decode_attention(const DecodeArgs& a) {
         add_values16<D>(o, pa, vs, wk, lane);
         __syncthreads();
     }
+    if (n_tiles == 0) {  // the loop's last barrier did not run: let the first copy land
+        asm volatile("cp.async.wait_group 0;");
+        __syncthreads();
+    }
+    float* s_m = (float*)decode_tiles;  // [warp][head]
+    float* s_l = s_m + DECODE_WARPS * DECODE_GROUP;
+    float* s_acc = s_l + DECODE_WARPS * DECODE_GROUP;  // [warp][head][D]
     if (gid < g) {
-        if (tig == 0) s_m[warp][gid] = m, s_l[warp][gid] = l;
+        if (tig == 0) s_m[warp * DECODE_GROUP + gid] = m, s_l[warp * DECODE_GROUP + gid] = l;
+        float* acc = s_acc + (warp * DECODE_GROUP + gid) * D + tig * 2;
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            s_acc[warp][gid][n * 8 + tig * 2] = o[n][0];
-            s_acc[warp][gid][n * 8 + tig * 2 + 1] = o[n][1];
-        }
+        for (int n = 0; n < NT; ++n) acc[n * 8] = o[n][0], acc[n * 8 + 1] = o[n][1];
     }
     __syncthreads();
     for (u32 idx = threadIdx.x; idx < g * D; idx += blockDim.x) {
         u32 h = idx / D, d = idx % D;
         float mt = NEG_INF, lt = 0.f, ot = 0.f;
-        for (int w = 0; w < DECODE_WARPS; ++w) merge_state(mt, lt, &ot, s_m[w][h], s_l[w][h], &s_acc[w][h][d], 1);
+        for (int w = 0; w < DECODE_WARPS; ++w) {
+            u32 at = w * DECODE_GROUP + h;
+            merge_state(mt, lt, &ot, s_m[at], s_l[at], &s_acc[at * D + d], 1);
+        }
         float o = lt > 0.f ? ot / lt : 0.f;
         u32 head = head0 + h;
         if (row.used == 1) {

@@ -3,32 +3,41 @@
 //
 // A block takes one work item (a row and up to PREFILL_ROWS / group of its consecutive query
 // tokens), one KV head and up to MAX_GROUP query heads sharing it: its PREFILL_ROWS query rows are
-// (token, head) pairs, so grouped heads share every K and V tile. Tiles of 64 key positions are
-// gathered from the row's pages into shared memory (cp.async, zero-filled past the end), the
-// next tile's copy in flight while the current one is used; each warp runs S = Q·Kᵀ and
-// O += P·V for its 16 query rows with bf16 mma.sync (fp32 accumulate, operands read from shared
-// memory by ldmatrix, V transposed on the way) and an online softmax in registers. The keys are every position the row's pages
-// hold up to the query: a restored prefix and this step's tokens alike (their K and V are
-// appended before attention runs).
+// (token, head) pairs, so grouped heads share every K and V tile. The query rows are copied into
+// shared memory once; tiles of 64 key positions are gathered from the row's pages into shared
+// memory (cp.async, zero-filled past the end), the next tile's copy in flight while the current
+// one is used; each warp runs S = Q·Kᵀ and O += P·V for its PREFILL_MTILES × 16 query rows with
+// bf16 mma.sync (fp32 accumulate, operands read from shared memory by ldmatrix, V transposed on
+// the way) and an online softmax in registers. The keys are every position the row's pages hold
+// up to the query: a restored prefix and this step's tokens alike (their K and V are appended
+// before attention runs).
 //
 // Few query tokens over a long context (a conversation continued after a restored prefix) make
 // too few blocks to fill the device, so the launch may also split each item's key tiles over
 // `splits` blocks (grid z). Then each block writes its normalized partial output and its
 // log2-sum-exp, and merge_attention_splits combines them into the bf16 output.
 
-// Warps of a block, each 16 query rows: the engine defines PREFILL_WARPS before this file
-// (see there why 4). More rows a block read each K and V tile for more queries.
+// Warps of a block and the m-tiles of 16 query rows each takes: the engine defines both before
+// this file (see there what was measured). More rows a block read each K and V tile for more
+// queries; more m-tiles a warp feed each K or V fragment it reads from shared memory to more
+// products.
 #ifndef PREFILL_WARPS
-#define PREFILL_WARPS 4
+#define PREFILL_WARPS 8
 #endif
-#define PREFILL_ROWS (PREFILL_WARPS * 16)
+#ifndef PREFILL_MTILES
+#define PREFILL_MTILES 1
+#endif
+#define PREFILL_ROWS (PREFILL_WARPS * 16 * PREFILL_MTILES)
 #define KEY_TILE 64
-// K and V tiles in flight: the kernel's dynamic shared memory is PREFILL_STAGES · 2 tiles of
-// KEY_TILE × (D + 8) bf16 (the engine's tile_shared_bytes; decode attention's too).
+// K and V tiles in flight: the kernel's dynamic shared memory is the query rows and
+// PREFILL_STAGES · 2 tiles of KEY_TILE × (D + 8) bf16 (the engine's prefill_shared_bytes; decode
+// attention uses the tiles alone).
 #define PREFILL_STAGES 2
-// Blocks a multiprocessor must be able to hold (caps the registers a thread may use).
+// Blocks a multiprocessor must be able to hold: two of 8 warps cap a thread at 128 registers
+// (the kernel wants ~140 unbounded, which would hold one, 8 warps a multiprocessor: the warps
+// then wait on their own mma and exp2 latencies).
 #ifndef PREFILL_MIN_BLOCKS
-#define PREFILL_MIN_BLOCKS (8 / PREFILL_WARPS)
+#define PREFILL_MIN_BLOCKS 2
 #endif
 
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
@@ -152,6 +161,133 @@ __device__ __forceinline__ void add_values16(float (*o)[4], const u32* pa, const
     }
 }
 
+// S[mt][8 keys n][4] = Q·Kᵀ over one K tile for this warp's MT m-tiles of 16 query rows. The
+// k-steps run outermost so a K fragment (ldmatrix: 16 keys × 16 dimensions, two n-tiles) feeds
+// every m-tile; Q fragments come from shared memory, one per m-tile and k-step.
+template <int D, int MT>
+__device__ __forceinline__ void score_tile(float (*s)[KEY_TILE / 8][4], const bf16* qs,
+                                           const bf16* ks, const bool* live, u32 lane) {
+    constexpr int STRIDE = D + 8, KS = D / 16;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < KEY_TILE / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+    const bf16* qrow = qs + ((lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + (lane >> 4) * 8;
+    const bf16* krow = ks + ((lane & 7) + (lane >> 4) * 8) * STRIDE + ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        u32 qa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            if (live[mt]) ldmatrix_x4(qa[mt], qrow + mt * 16 * STRIDE + kk * 16);
+#pragma unroll
+        for (int n = 0; n < KEY_TILE / 8; n += 2) {
+            u32 b[4];
+            ldmatrix_x4(b, krow + n * 8 * STRIDE + kk * 16);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (!live[mt]) continue;
+                mma_bf16(s[mt][n], qa[mt], b[0], b[1]);
+                mma_bf16(s[mt][n + 1], qa[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// O[mt] += P[mt]·V over one V tile, P re-packed from the S accumulators (16 keys a k-step); a V
+// fragment (transposed ldmatrix) feeds every m-tile.
+template <int D, int MT>
+__device__ __forceinline__ void add_values_tile(float (*o)[D / 8][4], float (*s)[KEY_TILE / 8][4],
+                                                const bf16* vs, const bool* live, u32 lane) {
+    constexpr int STRIDE = D + 8, NT = D / 8;
+    const bf16* vrow = vs + ((lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + (lane >> 4) * 8;
+#pragma unroll
+    for (int j = 0; j < KEY_TILE / 16; ++j) {
+        u32 pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            pa[mt][0] = pack_bf16x2(s[mt][2 * j][0], s[mt][2 * j][1]);
+            pa[mt][1] = pack_bf16x2(s[mt][2 * j][2], s[mt][2 * j][3]);
+            pa[mt][2] = pack_bf16x2(s[mt][2 * j + 1][0], s[mt][2 * j + 1][1]);
+            pa[mt][3] = pack_bf16x2(s[mt][2 * j + 1][2], s[mt][2 * j + 1][3]);
+        }
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, vrow + j * 16 * STRIDE + n * 8);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (!live[mt]) continue;
+                mma_bf16(o[mt][n], pa[mt], b[0], b[1]);
+                mma_bf16(o[mt][n + 1], pa[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// Mask, scale and the online softmax of one m-tile's two rows of this thread (shared by a
+// quad) over a tile of scores; rescales that m-tile's output. `whole`: every query row of the
+// block sees every key of the tile, so no mask.
+template <int D>
+__device__ __forceinline__ void softmax_tile(float (*s)[4], float (*o)[4], float* m, float* l,
+                                             const QueryRow* rows, u32 k0, bool whole, u32 window,
+                                             float scale_log2, u32 tig) {
+    constexpr int NT = D / 8;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const QueryRow& q = rows[half];
+        u32 lo = window_start(q.pos, window);
+        float mx = NEG_INF;
+#pragma unroll
+        for (int n = 0; n < KEY_TILE / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                u32 key = k0 + n * 8 + tig * 2 + e;
+                bool visible = whole || (q.valid && key <= q.pos && key >= lo);
+                float v = visible ? s[n][half * 2 + e] * scale_log2 : NEG_INF;
+                s[n][half * 2 + e] = v;
+                mx = fmaxf(mx, v);
+            }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        float m_new = fmaxf(m[half], mx);
+        float base = m_new == NEG_INF ? 0.f : m_new;
+        float alpha = exp2f(m[half] - base), sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < KEY_TILE / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float p = exp2f(s[n][half * 2 + e] - base);
+                s[n][half * 2 + e] = p;
+                sum += p;
+            }
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        l[half] = l[half] * alpha + sum;
+        m[half] = m_new;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) o[n][half * 2] *= alpha, o[n][half * 2 + 1] *= alpha;
+    }
+}
+
+// Starts copying the block's PREFILL_ROWS query rows into shared memory (rows past the item
+// are 0); committed with the first K/V tile's group.
+template <int D>
+__device__ __forceinline__ void issue_q_tile(bf16* qs, const bf16* qkv, u32 qkv_stride, u32 g,
+                                             u32 n_tok, u32 first_token, u32 head0) {
+    constexpr int STRIDE = D + 8, CHUNKS = D / 8;
+    for (u32 c = threadIdx.x; c < PREFILL_ROWS * CHUNKS; c += blockDim.x) {
+        u32 m = c / CHUNKS, part = c % CHUNKS, t = m / g;
+        bf16* dst = qs + m * STRIDE + part * 8;
+        if (t < n_tok)
+            cp_async16(dst, qkv + (u64)(first_token + t) * qkv_stride + (u64)(head0 + m % g) * D + part * 8);
+        else
+            *(uint4*)dst = make_uint4(0, 0, 0, 0);
+    }
+}
+
 template <int D>
 __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
                                   const bf16* __restrict__ k_cache,
@@ -163,8 +299,11 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
                                   u32 heads, u32 kv_heads, u32 page_tokens, u32 window,
                                   float scale_log2, bf16* __restrict__ out, u32 splits,
                                   float* __restrict__ o_part, float* __restrict__ lse_part) {
-    constexpr int STRIDE = D + 8, KS = D / 16, NT = D / 8, TILE = KEY_TILE * STRIDE;
-    extern __shared__ __align__(16) bf16 prefill_tiles[];  // [stage][K, V][TILE]
+    constexpr int MT = PREFILL_MTILES, STRIDE = D + 8, NT = D / 8, TILE = KEY_TILE * STRIDE;
+    // [Q: PREFILL_ROWS rows][stage][K, V][TILE]
+    extern __shared__ __align__(16) bf16 prefill_tiles[];
+    bf16* q_tile = prefill_tiles;
+    bf16* kv_tiles = prefill_tiles + PREFILL_ROWS * STRIDE;
 
     u32 group = heads / kv_heads, chunks = (group + MAX_GROUP - 1) / MAX_GROUP;
     u32 kvh = blockIdx.y / chunks, chunk = blockIdx.y % chunks;
@@ -178,24 +317,25 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
     const u32* table = page_table + (u64)r * table_stride;
 
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
-    QueryRow rows[2] = {
-        query_row(warp * 16 + gid, g, n_tok, first_token, first_pos, head0),
-        query_row(warp * 16 + gid + 8, g, n_tok, first_token, first_pos, head0),
-    };
-    // Q fragments (A operand, row-major): per k-step, rows gid / gid+8, columns tig*2 and +8.
-    u32 qa[KS][4];
+    // This warp's m-tiles: query rows warp·16·MT + mt·16 + (gid, gid + 8). An m-tile without a
+    // valid row (a short item) skips its products; the test is the same for the whole warp.
+    QueryRow rows[MT][2];
+    bool live[MT];
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const QueryRow& q = rows[j & 1];
-            u32 col = kk * 16 + (j >> 1) * 8 + tig * 2;
-            qa[kk][j] = q.valid ? *(const u32*)(qkv + (u64)q.token * qkv_stride + (u64)q.head * D + col) : 0u;
-        }
+    for (int mt = 0; mt < MT; ++mt) {
+        u32 m0 = (warp * MT + mt) * 16;
+        rows[mt][0] = query_row(m0 + gid, g, n_tok, first_token, first_pos, head0);
+        rows[mt][1] = query_row(m0 + gid + 8, g, n_tok, first_token, first_pos, head0);
+        live[mt] = m0 / g < n_tok;
     }
-    float o[NT][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    float o[MT][NT][4], m[MT][2], l[MT][2];
 #pragma unroll
-    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt) {
+        m[mt][0] = m[mt][1] = NEG_INF;
+        l[mt][0] = l[mt][1] = 0.f;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+    }
 
     // This block's whole tiles of the item's keys.
     u32 keys_lo = window_start(first_pos, window);
@@ -203,17 +343,20 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
     u32 keys_begin = keys_lo + blockIdx.z * per * KEY_TILE;
     u32 keys_end = min(keys_begin + per * KEY_TILE, last_pos + 1);
     u32 n_tiles = keys_end > keys_begin ? (keys_end - keys_begin + KEY_TILE - 1) / KEY_TILE : 0;
-    if (n_tiles > 0)
-        issue_kv_tile<D>(prefill_tiles, prefill_tiles + TILE, k_cache, v_cache, table, page_tokens,
+    if (n_tiles > 0) {
+        issue_q_tile<D>(q_tile, qkv, qkv_stride, g, n_tok, first_token, head0);
+        issue_kv_tile<D>(kv_tiles, kv_tiles + TILE, k_cache, v_cache, table, page_tokens,
                          kv_heads, kvh, keys_begin, last_pos);
+    }
+    const bf16* qs = q_tile + warp * MT * 16 * STRIDE;
     for (u32 t = 0; t < n_tiles; ++t) {
         u32 k0 = keys_begin + t * KEY_TILE;
-        const bf16* ks = prefill_tiles + (t % PREFILL_STAGES) * 2 * TILE;
+        const bf16* ks = kv_tiles + (t % PREFILL_STAGES) * 2 * TILE;
         const bf16* vs = ks + TILE;
         // The stage the next tile goes to was last read in the iteration before this one,
         // which every warp has left (the barrier at its end).
         if (t + 1 < n_tiles) {
-            bf16* next = prefill_tiles + ((t + 1) % PREFILL_STAGES) * 2 * TILE;
+            bf16* next = kv_tiles + ((t + 1) % PREFILL_STAGES) * 2 * TILE;
             issue_kv_tile<D>(next, next + TILE, k_cache, v_cache, table, page_tokens, kv_heads,
                              kvh, k0 + KEY_TILE, last_pos);
             asm volatile("cp.async.wait_group 1;");
@@ -221,79 +364,41 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
             asm volatile("cp.async.wait_group 0;");
         }
         __syncthreads();
-        float s[KEY_TILE / 8][4];
-#pragma unroll
-        for (int n = 0; n < KEY_TILE / 8; ++n) score_keys8<D>(s[n], qa, ks, n * 8, lane);
-        // Mask, scale, and the online softmax of this thread's two rows (shared by a quad). A
-        // tile every query row sees whole (below the diagonal, inside every row's window) needs
-        // no mask.
+        float s[MT][KEY_TILE / 8][4];
+        score_tile<D, MT>(s, qs, ks, live, lane);
         bool whole = k0 + KEY_TILE <= first_pos + 1 && k0 >= window_start(last_pos, window);
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const QueryRow& q = rows[half];
-            u32 lo = window_start(q.pos, window);
-            float mx = NEG_INF;
-#pragma unroll
-            for (int n = 0; n < KEY_TILE / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    u32 key = k0 + n * 8 + tig * 2 + e;
-                    bool visible = whole || (q.valid && key <= q.pos && key >= lo);
-                    float v = visible ? s[n][half * 2 + e] * scale_log2 : NEG_INF;
-                    s[n][half * 2 + e] = v;
-                    mx = fmaxf(mx, v);
-                }
-            }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            float m_new = fmaxf(m[half], mx);
-            float base = m_new == NEG_INF ? 0.f : m_new;
-            float alpha = exp2f(m[half] - base), sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < KEY_TILE / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float p = exp2f(s[n][half * 2 + e] - base);
-                    s[n][half * 2 + e] = p;
-                    sum += p;
-                }
-            }
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            l[half] = l[half] * alpha + sum;
-            m[half] = m_new;
-#pragma unroll
-            for (int n = 0; n < NT; ++n) o[n][half * 2] *= alpha, o[n][half * 2 + 1] *= alpha;
-        }
-        // O += P·V, P re-packed from the S accumulators as the A operand (16 keys per step).
-#pragma unroll
-        for (int j = 0; j < KEY_TILE / 16; ++j) {
-            u32 pa[4] = {pack_bf16x2(s[2 * j][0], s[2 * j][1]), pack_bf16x2(s[2 * j][2], s[2 * j][3]),
-                         pack_bf16x2(s[2 * j + 1][0], s[2 * j + 1][1]),
-                         pack_bf16x2(s[2 * j + 1][2], s[2 * j + 1][3])};
-            add_values16<D>(o, pa, vs, j * 16, lane);
-        }
+        for (int mt = 0; mt < MT; ++mt)
+            if (live[mt])
+                softmax_tile<D>(s[mt], o[mt], m[mt], l[mt], rows[mt], k0, whole, window,
+                                scale_log2, tig);
+        add_values_tile<D, MT>(o, s, vs, live, lane);
         __syncthreads();
     }
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const QueryRow& q = rows[half];
-        if (!q.valid) continue;
-        float inv = l[half] > 0.f ? 1.f / l[half] : 0.f;
-        if (splits == 1) {
-            bf16* dst = out + (u64)q.token * heads * D + (u64)q.head * D + tig * 2;
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int n = 0; n < NT; ++n)
-                *(u32*)(dst + n * 8) = pack_bf16x2(o[n][half * 2] * inv, o[n][half * 2 + 1] * inv);
-        } else {
-            u64 slot = ((u64)q.token * heads + q.head) * splits + blockIdx.z;
-            float* dst = o_part + slot * D + tig * 2;
+        for (int half = 0; half < 2; ++half) {
+            const QueryRow& q = rows[mt][half];
+            if (!q.valid) continue;
+            float inv = l[mt][half] > 0.f ? 1.f / l[mt][half] : 0.f;
+            if (splits == 1) {
+                bf16* dst = out + (u64)q.token * heads * D + (u64)q.head * D + tig * 2;
 #pragma unroll
-            for (int n = 0; n < NT; ++n)
-                *(float2*)(dst + n * 8) = make_float2(o[n][half * 2] * inv, o[n][half * 2 + 1] * inv);
-            if (tig == 0) lse_part[slot] = l[half] > 0.f ? m[half] + log2f(l[half]) : NEG_INF;
+                for (int n = 0; n < NT; ++n)
+                    *(u32*)(dst + n * 8) =
+                        pack_bf16x2(o[mt][n][half * 2] * inv, o[mt][n][half * 2 + 1] * inv);
+            } else {
+                u64 slot = ((u64)q.token * heads + q.head) * splits + blockIdx.z;
+                float* dst = o_part + slot * D + tig * 2;
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+                    *(float2*)(dst + n * 8) =
+                        make_float2(o[mt][n][half * 2] * inv, o[mt][n][half * 2 + 1] * inv);
+                if (tig == 0)
+                    lse_part[slot] = l[mt][half] > 0.f ? m[mt][half] + log2f(l[mt][half]) : NEG_INF;
+            }
         }
-    }
 }
 
 // Combines the key splits of prefill attention: block (token, head), a thread per dimension.

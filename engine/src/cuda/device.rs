@@ -204,6 +204,12 @@ impl Device {
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             bytes as i32,
         )?;
+        // As much of the unified L1 as shared memory as the driver allows: the attention
+        // kernels' occupancy is their shared memory.
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            100,
+        )?;
         Ok(())
     }
 

@@ -56,14 +56,22 @@ const SOURCES: [(&str, &str); 12] = [
 /// Head dimensions the attention kernels are instantiated for.
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
-/// Warps of one prefill attention block, each 16 query rows (`PREFILL_WARPS`, defined for the
-/// kernels by [`program_source`]), and its query rows (token × head pairs). 8 warps read half
-/// the K and V tiles and measured 6% faster on an 8,192-token 8B prompt (28.0k / 28.4k →
-/// 30.0k / 30.0k tok/s on the H200), but made the actors' multi-step CUDA test differ between
-/// runs (one failure in three; none in seven at 4): a nondeterminism not yet found, so 4.
-const PREFILL_WARPS: usize = 4;
-const PREFILL_ROWS: usize = PREFILL_WARPS * 16;
+/// Warps of one prefill attention block (`PREFILL_WARPS`), the m-tiles of 16 query rows each
+/// takes (`PREFILL_MTILES`), both defined for the kernels by [`program_source`], and its query
+/// rows (token × head pairs). Measured on the H200, 8B shape, an 8,192-token prompt (1,024 in
+/// brackets), tok/s, query rows in shared memory and work items longest first: 4 warps × 2
+/// m-tiles 29,838 (40,391); 8 × 1, two blocks a multiprocessor 30,515 (41,925); the 4 × 1 of
+/// before, query rows in registers, 27,350–27,810 (39,480–40,031).
+const PREFILL_WARPS: usize = 8;
+const PREFILL_MTILES: usize = 1;
+const PREFILL_ROWS: usize = PREFILL_WARPS * 16 * PREFILL_MTILES;
 const PREFILL_THREADS: u32 = (PREFILL_WARPS * 32) as u32;
+
+/// Dynamic shared memory of one prefill attention block: its query rows and its K and V tiles.
+fn prefill_shared_bytes(head_dim: usize) -> usize {
+    PREFILL_ROWS * (head_dim + 8) * 2 + tile_shared_bytes(head_dim)
+}
+
 /// Key positions of one prefill attention tile (`KEY_TILE`), and tiles in flight
 /// (`PREFILL_STAGES`).
 const KEY_TILE: usize = 64;
@@ -75,8 +83,30 @@ fn tile_shared_bytes(head_dim: usize) -> usize {
     PREFILL_STAGES * 2 * KEY_TILE * (head_dim + 8) * 2
 }
 
+/// Decode attention's grids of at least this many blocks a multiprocessor run as many blocks
+/// at once as their shared memory allows (three for the 8B's heads of 128); smaller grids ask
+/// for the shared memory a block held beside its tiles before those bytes moved into them, so
+/// their split counts keep the occupancy they were tuned at. H200, 8B shape, tok/s, three a
+/// multiprocessor against two: batch 256 × 512 positions 19,128 / 18,119, batch 256 × 1,024
+/// 13,902 / 13,177; but batch 64 × 1,024 7,903 / 8,271 and batch 32 × 8,192 1,965 / 2,159,
+/// whose 512 blocks make 1.3 waves of three where they made 1.9 of two.
+const DENSE_DECODE_BLOCKS_PER_MULTIPROCESSOR: usize = 12;
+
+/// Dynamic shared memory of a decode attention launch of `blocks` blocks.
+fn decode_shared_bytes(head_dim: usize, blocks: usize, multiprocessors: usize) -> usize {
+    let tiles = tile_shared_bytes(head_dim);
+    if blocks >= DENSE_DECODE_BLOCKS_PER_MULTIPROCESSOR * multiprocessors {
+        return tiles;
+    }
+    // The softmax states of every warp and the query rows (decode_attention.cu).
+    let outside = (DECODE_WARPS * DECODE_GROUP * (head_dim + 2)) * 4 + 16 * (head_dim + 8) * 2;
+    tiles + outside
+}
+
 /// Query heads one prefill attention block serves (`MAX_GROUP`).
 const MAX_GROUP: usize = 8;
+/// Warps of one decode attention block (`DECODE_WARPS`).
+const DECODE_WARPS: usize = 4;
 /// Query heads one decode attention block serves (`DECODE_GROUP`).
 const DECODE_GROUP: usize = 4;
 /// Words of one sampled row's parameters (`SAMPLE_PARAM_WORDS`).
@@ -124,7 +154,8 @@ pub const KERNEL_DIR_ENV: &str = "SNAPSERVE_KERNEL_DIR";
 /// The whole program's source, each file after a `#line` marker.
 fn program_source() -> Result<String> {
     let dir = std::env::var_os(KERNEL_DIR_ENV).map(std::path::PathBuf::from);
-    let mut program = format!("#define PREFILL_WARPS {PREFILL_WARPS}\n");
+    let mut program =
+        format!("#define PREFILL_WARPS {PREFILL_WARPS}\n#define PREFILL_MTILES {PREFILL_MTILES}\n");
     for (name, text) in SOURCES {
         let text = match &dir {
             Some(dir) if dir.join(name).exists() => {
@@ -200,9 +231,9 @@ impl Kernels {
         let module = device.context().load_module(compile(&device.arch())?)?;
         let f = |name: &str| module.load_function(name);
         let prefill_attention = f(&format!("prefill_attention_d{head_dim}"))?;
-        device.allow_shared(&prefill_attention, tile_shared_bytes(head_dim))?;
+        device.allow_shared(&prefill_attention, prefill_shared_bytes(head_dim))?;
         let decode_attention = f(&format!("decode_attention_d{head_dim}"))?;
-        device.allow_shared(&decode_attention, tile_shared_bytes(head_dim))?;
+        device.allow_shared(&decode_attention, decode_shared_bytes(head_dim, 0, 1))?;
         Ok(Kernels {
             embed_tokens: f("embed_tokens")?,
             add_rms_norm: f("add_rms_norm")?,
@@ -391,7 +422,9 @@ impl Kernels {
             s.decode_blocks_per_row() as u32,
             rows as u32,
         );
-        let shared = tile_shared_bytes(s.head_dim) as u32;
+        let blocks = split.splits * s.decode_blocks_per_row() * rows;
+        let multiprocessors = self.device.multiprocessors as usize;
+        let shared = decode_shared_bytes(s.head_dim, blocks, multiprocessors) as u32;
         self.device.launch_with_shared(
             &self.decode_attention,
             grid,
@@ -438,7 +471,7 @@ impl Kernels {
             s.prefill_blocks_per_item() as u32,
             split.splits as u32,
         );
-        let shared = tile_shared_bytes(s.head_dim) as u32;
+        let shared = prefill_shared_bytes(s.head_dim) as u32;
         self.device.launch_with_shared(
             &self.prefill_attention,
             grid,

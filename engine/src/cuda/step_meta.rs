@@ -323,17 +323,23 @@ fn wants_logits(wanted: LogitsWanted, last_token: bool) -> bool {
     }
 }
 
-/// Prefill work items: (row, first token within the row) every `item_tokens` tokens.
+/// Prefill work items: (row, first token within the row) every `item_tokens` tokens, those that
+/// attend the most positions first.
 fn items(rows: &[PackedRow], item_tokens: usize) -> Vec<(u32, u32)> {
     if item_tokens == 0 {
         return Vec::new();
     }
-    rows.iter()
+    let mut items: Vec<(u32, u32)> = rows
+        .iter()
         .enumerate()
         .flat_map(|(r, row)| {
             (0..row.tokens.len())
                 .step_by(item_tokens)
                 .map(move |first| (r as u32, first as u32))
         })
-        .collect()
+        .collect();
+    // The items with the most keys start first and the short ones fill the last wave: a causal
+    // prompt's last item reads every key of the prompt, its first one a tile.
+    items.sort_by_key(|&(r, first)| std::cmp::Reverse(rows[r as usize].start_pos + first as usize));
+    items
 }
