@@ -121,10 +121,14 @@ pub fn solo(files: &ModelFiles, request: &GenerateRequest) -> Vec<u32> {
 
 /// Submits every request (so they all run together), then reads each stream to its end.
 pub async fn run_all(handles: &Handles, requests: &[GenerateRequest]) -> Vec<Completion> {
-    let mut streams = Vec::new();
-    for request in requests {
-        streams.push(handles.submit(request.clone()).await.unwrap());
-    }
+    // Sent in one poll: every request is in the admission's mailbox (an actor on this thread)
+    // before it handles the first, so which step admits which request does not depend on the
+    // engine's speed. Awaited one by one, each submission waited
+    // for its reply while the first steps ran, and how many joined which step depended on the
+    // timing (a multi-step GPU test comparing tokens bit for bit failed one run in three).
+    let submitted =
+        futures_util::future::join_all(requests.iter().map(|r| handles.submit(r.clone()))).await;
+    let streams: Vec<_> = submitted.into_iter().map(Result::unwrap).collect();
     let mut completions = Vec::new();
     for stream in streams {
         completions.push(stream.collect().await);
