@@ -781,6 +781,27 @@ pub struct PageCopies {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    #[test]
+    fn only_dense_decode_grids_pack_three_blocks_a_multiprocessor() {
+        // An H200: 132 multiprocessors, 228 KiB of shared memory each (1 KiB of it reserved
+        // per block). The 8B's heads of 128: 8 blocks a row.
+        let (sms, per_sm, reserved) = (132, 228 * 1024, 1024);
+        let fits = |bytes: usize| per_sm / (bytes + reserved);
+        let dense = decode_shared_bytes(128, 256 * 8, sms);
+        assert_eq!(dense, tile_shared_bytes(128));
+        assert_eq!(fits(dense), 3);
+        // Batch 64 or 32 rows long enough for two splits: the bytes the block used to hold.
+        for blocks in [64 * 8, 32 * 8 * 2] {
+            let small = decode_shared_bytes(128, blocks, sms);
+            assert_eq!(small, tile_shared_bytes(128) + 16 * 130 * 4 + 16 * 136 * 2);
+            assert_eq!(fits(small), 2);
+        }
+        // The kernel is allowed the larger of the two.
+        assert!(decode_shared_bytes(128, 0, 1) >= dense);
+    }
+
     /// Runs where NVRTC is installed, GPU or not: a syntax check of every kernel. With
     /// `PTX_OUT=FILE` the PTX is written there, for `ptxas -v` to report registers and spills.
     #[test]

@@ -343,3 +343,32 @@ fn items(rows: &[PackedRow], item_tokens: usize) -> Vec<(u32, u32)> {
     items.sort_by_key(|&(r, first)| std::cmp::Reverse(rows[r as usize].start_pos + first as usize));
     items
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(tokens: &[u32], start_pos: usize) -> PackedRow<'_> {
+        PackedRow {
+            tokens,
+            start_pos,
+            pages: &[],
+            logits: LogitsWanted::None,
+        }
+    }
+
+    #[test]
+    fn prefill_items_start_with_those_attending_the_most_positions() {
+        let (fresh, continued) = ([0u32; 40], [0u32; 20]);
+        // A fresh 40-token prompt in items of 16, and 20 tokens after 100 restored.
+        let rows = [row(&fresh, 0), row(&continued, 100)];
+        assert_eq!(
+            items(&rows, 16),
+            [(1, 16), (1, 0), (0, 32), (0, 16), (0, 0)]
+        );
+        // Ties keep the rows' order.
+        let rows = [row(&fresh[..5], 7), row(&fresh[..3], 7)];
+        assert_eq!(items(&rows, 16), [(0, 0), (1, 0)]);
+        assert!(items(&rows, 0).is_empty());
+    }
+}
