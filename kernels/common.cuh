@@ -105,9 +105,26 @@ __device__ u32 block_sum_u32(u32 v, u32* scratch) {
     return total;
 }
 
+// 2^x with the multi-function unit's own instruction, subnormal results flushed to zero (what
+// exp2f costs beyond it is handling those: softmax weights that small round to nothing in bf16
+// and in an f32 sum anyway). exp2(-inf) is 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
 // Starts copying 16 bytes from global to shared memory (L2 only); waited for with
 // cp.async.commit_group / wait_group.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     u32 dst = (u32)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem));
+}
+
+// The same, or 16 zero bytes where `copy` is false (nothing is read from `gmem` then, but it
+// must still be a valid address): no branch around the copy.
+__device__ __forceinline__ void cp_async16_or_zero(void* smem, const void* gmem, bool copy) {
+    u32 dst = (u32)__cvta_generic_to_shared(smem);
+    u32 bytes = copy ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(bytes));
 }

@@ -245,16 +245,18 @@ __device__ void decode_attention(const DecodeArgs& a) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     u32 n_tiles = (row.end - row.begin + KEY_TILE - 1) / KEY_TILE;
-    issue_kv_tile<D>(decode_tiles, decode_tiles + TILE, a.k_cache, a.v_cache, table, a.page_tokens,
-                     a.kv_heads, kvh, row.begin, row.end - 1);
+    issue_kv_tile<D, DECODE_WARPS * 32>(decode_tiles, decode_tiles + TILE, a.k_cache, a.v_cache,
+                                        table, a.page_tokens, a.kv_heads, kvh, row.begin,
+                                        row.end - 1);
     for (u32 t = 0; t < n_tiles; ++t) {
         u32 k0 = row.begin + t * KEY_TILE;
         const bf16* ks = decode_tiles + (t % PREFILL_STAGES) * 2 * TILE;
         const bf16* vs = ks + TILE;
         if (t + 1 < n_tiles) {
             bf16* next = decode_tiles + ((t + 1) % PREFILL_STAGES) * 2 * TILE;
-            issue_kv_tile<D>(next, next + TILE, a.k_cache, a.v_cache, table, a.page_tokens,
-                             a.kv_heads, kvh, k0 + KEY_TILE, row.end - 1);
+            issue_kv_tile<D, DECODE_WARPS * 32>(next, next + TILE, a.k_cache, a.v_cache, table,
+                                                a.page_tokens, a.kv_heads, kvh, k0 + KEY_TILE,
+                                                row.end - 1);
             asm volatile("cp.async.wait_group 1;");
         } else {
             asm volatile("cp.async.wait_group 0;");
@@ -279,12 +281,12 @@ __device__ void decode_attention(const DecodeArgs& a) {
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         float m_new = fmaxf(m, mx);
         float base = m_new == NEG_INF ? 0.f : m_new;
-        float alpha = exp2f(m - base), sum = 0.f;
+        float alpha = fast_exp2(m - base), sum = 0.f;
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                s[n][e] = exp2f(s[n][e] - base);
+                s[n][e] = fast_exp2(s[n][e] - base);
                 sum += s[n][e];
             }
         }

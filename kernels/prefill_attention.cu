@@ -95,25 +95,45 @@ __device__ __forceinline__ QueryRow query_row(u32 m, u32 g, u32 n_tok, u32 first
 }
 
 // Starts gathering positions k0..k0+KEY_TILE of one KV head into shared memory (one cp.async
-// group); rows past `last` are 0.
-template <int D>
+// group); rows past `last` are 0. THREADS is the block's size: each thread copies the same 16
+// bytes of every row it takes, the loop unrolled. The page ids come from two page-table reads a
+// lane, issued together up front (lane L: the tile's pages L and 32 + L) and handed to the rows
+// by shuffles: one read a row, each waited for before its copy, made the tile's copies wait on
+// a chain of dependent loads.
+template <int D, int THREADS>
 __device__ __forceinline__ void issue_kv_tile(bf16* ks, bf16* vs, const bf16* k_cache,
                                              const bf16* v_cache, const u32* table, u32 page_tokens,
                                              u32 kv_heads, u32 kvh, u32 k0, u32 last) {
     constexpr int STRIDE = D + 8, CHUNKS = D / 8;
-    for (u32 c = threadIdx.x; c < KEY_TILE * CHUNKS; c += blockDim.x) {
-        u32 key = c / CHUNKS, part = c % CHUNKS, k = k0 + key;
+    static_assert(THREADS % CHUNKS == 0, "a thread copies the same part of each row");
+    constexpr int ROWS_A_PASS = THREADS / CHUNKS;
+    constexpr int PASSES = (KEY_TILE + ROWS_A_PASS - 1) / ROWS_A_PASS;
+    // page_tokens is a power of two (the configuration checks it): shifts, not divisions. A
+    // tile's KEY_TILE keys span at most 64 pages (one position a page).
+    u32 page_shift = __ffs(page_tokens) - 1;
+    u32 lane = threadIdx.x & 31, first_page = k0 >> page_shift, last_page = last >> page_shift;
+    u32 near = first_page + lane <= last_page ? table[first_page + lane] : 0;
+    u32 far = first_page + 32 + lane <= last_page ? table[first_page + 32 + lane] : 0;
+    u32 part = threadIdx.x % CHUNKS, key0 = threadIdx.x / CHUNKS;
+    const bf16* k_head = k_cache + (u64)kvh * D + part * 8;
+    const bf16* v_head = v_cache + (u64)kvh * D + part * 8;
+#pragma unroll
+    for (int i = 0; i < PASSES; ++i) {
+        u32 key = key0 + i * ROWS_A_PASS, k = k0 + key;
+        u32 at_page = (k >> page_shift) - first_page;
+        u32 from_near = __shfl_sync(0xffffffffu, near, at_page & 31);
+        u32 from_far = __shfl_sync(0xffffffffu, far, at_page & 31);
+        if constexpr (PASSES * ROWS_A_PASS > KEY_TILE)
+            if (key >= KEY_TILE) break;  // small heads: more threads than the tile has chunks
         bf16* kd = ks + key * STRIDE + part * 8;
         bf16* vd = vs + key * STRIDE + part * 8;
-        if (k <= last) {
-            u64 slot = (u64)table[k / page_tokens] * page_tokens + k % page_tokens;
-            u64 at = (slot * kv_heads + kvh) * D + part * 8;
-            cp_async16(kd, k_cache + at);
-            cp_async16(vd, v_cache + at);
-        } else {
-            *(uint4*)kd = make_uint4(0, 0, 0, 0);
-            *(uint4*)vd = make_uint4(0, 0, 0, 0);
-        }
+        // A row past `last` is zero-filled, its source the head's first row (not read).
+        bool copy = k <= last;
+        u32 page = copy ? (at_page < 32 ? from_near : from_far) : 0;
+        u64 slot = ((u64)page << page_shift) | (copy ? k & (page_tokens - 1) : 0);
+        u64 at = slot * kv_heads * D;
+        cp_async16_or_zero(kd, k_head + at, copy);
+        cp_async16_or_zero(vd, v_head + at, copy);
     }
     asm volatile("cp.async.commit_group;");
 }
@@ -166,7 +186,7 @@ __device__ __forceinline__ void add_values16(float (*o)[4], const u32* pa, const
 // every m-tile; Q fragments come from shared memory, one per m-tile and k-step.
 template <int D, int MT>
 __device__ __forceinline__ void score_tile(float (*s)[KEY_TILE / 8][4], const bf16* qs,
-                                           const bf16* ks, const bool* live, u32 lane) {
+                                           const bf16* ks, u32 lane) {
     constexpr int STRIDE = D + 8, KS = D / 16;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -179,14 +199,13 @@ __device__ __forceinline__ void score_tile(float (*s)[KEY_TILE / 8][4], const bf
         u32 qa[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-            if (live[mt]) ldmatrix_x4(qa[mt], qrow + mt * 16 * STRIDE + kk * 16);
+            ldmatrix_x4(qa[mt], qrow + mt * 16 * STRIDE + kk * 16);
 #pragma unroll
         for (int n = 0; n < KEY_TILE / 8; n += 2) {
             u32 b[4];
             ldmatrix_x4(b, krow + n * 8 * STRIDE + kk * 16);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                if (!live[mt]) continue;
                 mma_bf16(s[mt][n], qa[mt], b[0], b[1]);
                 mma_bf16(s[mt][n + 1], qa[mt], b[2], b[3]);
             }
@@ -198,7 +217,7 @@ __device__ __forceinline__ void score_tile(float (*s)[KEY_TILE / 8][4], const bf
 // fragment (transposed ldmatrix) feeds every m-tile.
 template <int D, int MT>
 __device__ __forceinline__ void add_values_tile(float (*o)[D / 8][4], float (*s)[KEY_TILE / 8][4],
-                                                const bf16* vs, const bool* live, u32 lane) {
+                                                const bf16* vs, u32 lane) {
     constexpr int STRIDE = D + 8, NT = D / 8;
     const bf16* vrow = vs + ((lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + (lane >> 4) * 8;
 #pragma unroll
@@ -217,7 +236,6 @@ __device__ __forceinline__ void add_values_tile(float (*o)[D / 8][4], float (*s)
             ldmatrix_x4_trans(b, vrow + j * 16 * STRIDE + n * 8);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                if (!live[mt]) continue;
                 mma_bf16(o[mt][n], pa[mt], b[0], b[1]);
                 mma_bf16(o[mt][n + 1], pa[mt], b[2], b[3]);
             }
@@ -227,7 +245,10 @@ __device__ __forceinline__ void add_values_tile(float (*o)[D / 8][4], float (*s)
 
 // Mask, scale and the online softmax of one m-tile's two rows of this thread (shared by a
 // quad) over a tile of scores; rescales that m-tile's output. `whole`: every query row of the
-// block sees every key of the tile, so no mask.
+// block sees every key of the tile, so no mask. The running maximum `m` is kept in scaled
+// (log2) units and found over the raw scores (the scale is positive), so a weight is one FMA
+// and one ex2; the output is rescaled only where some row of the warp has a new maximum (a
+// factor of exactly 1 elsewhere, which changes no bit), most tiles after the first few.
 template <int D>
 __device__ __forceinline__ void softmax_tile(float (*s)[4], float (*o)[4], float* m, float* l,
                                              const QueryRow* rows, u32 k0, bool whole, u32 window,
@@ -244,21 +265,21 @@ __device__ __forceinline__ void softmax_tile(float (*s)[4], float (*o)[4], float
             for (int e = 0; e < 2; ++e) {
                 u32 key = k0 + n * 8 + tig * 2 + e;
                 bool visible = whole || (q.valid && key <= q.pos && key >= lo);
-                float v = visible ? s[n][half * 2 + e] * scale_log2 : NEG_INF;
+                float v = visible ? s[n][half * 2 + e] : NEG_INF;
                 s[n][half * 2 + e] = v;
                 mx = fmaxf(mx, v);
             }
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        float m_new = fmaxf(m[half], mx);
+        float m_new = fmaxf(m[half], mx * scale_log2);
         float base = m_new == NEG_INF ? 0.f : m_new;
-        float alpha = exp2f(m[half] - base), sum = 0.f;
+        float alpha = fast_exp2(m[half] - base), sum = 0.f;
 #pragma unroll
         for (int n = 0; n < KEY_TILE / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                float p = exp2f(s[n][half * 2 + e] - base);
+                float p = fast_exp2(fmaf(s[n][half * 2 + e], scale_log2, -base));
                 s[n][half * 2 + e] = p;
                 sum += p;
             }
@@ -267,8 +288,10 @@ __device__ __forceinline__ void softmax_tile(float (*s)[4], float (*o)[4], float
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         l[half] = l[half] * alpha + sum;
         m[half] = m_new;
+        if (__any_sync(0xffffffffu, alpha != 1.f)) {
 #pragma unroll
-        for (int n = 0; n < NT; ++n) o[n][half * 2] *= alpha, o[n][half * 2 + 1] *= alpha;
+            for (int n = 0; n < NT; ++n) o[n][half * 2] *= alpha, o[n][half * 2 + 1] *= alpha;
+        }
     }
 }
 
@@ -318,15 +341,15 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
 
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
     // This warp's m-tiles: query rows warp·16·MT + mt·16 + (gid, gid + 8). An m-tile without a
-    // valid row (a short item) skips its products; the test is the same for the whole warp.
+    // valid row (a short item's) computes like the others and writes nothing: a branch around
+    // its products, uniform as it is, made the compiler fence every ldmatrix and mma with a
+    // warp sync (a quarter of the loop's instructions).
     QueryRow rows[MT][2];
-    bool live[MT];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         u32 m0 = (warp * MT + mt) * 16;
         rows[mt][0] = query_row(m0 + gid, g, n_tok, first_token, first_pos, head0);
         rows[mt][1] = query_row(m0 + gid + 8, g, n_tok, first_token, first_pos, head0);
-        live[mt] = m0 / g < n_tok;
     }
     float o[MT][NT][4], m[MT][2], l[MT][2];
 #pragma unroll
@@ -345,8 +368,8 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
     u32 n_tiles = keys_end > keys_begin ? (keys_end - keys_begin + KEY_TILE - 1) / KEY_TILE : 0;
     if (n_tiles > 0) {
         issue_q_tile<D>(q_tile, qkv, qkv_stride, g, n_tok, first_token, head0);
-        issue_kv_tile<D>(kv_tiles, kv_tiles + TILE, k_cache, v_cache, table, page_tokens,
-                         kv_heads, kvh, keys_begin, last_pos);
+        issue_kv_tile<D, PREFILL_WARPS * 32>(kv_tiles, kv_tiles + TILE, k_cache, v_cache, table,
+                                             page_tokens, kv_heads, kvh, keys_begin, last_pos);
     }
     const bf16* qs = q_tile + warp * MT * 16 * STRIDE;
     for (u32 t = 0; t < n_tiles; ++t) {
@@ -357,22 +380,21 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
         // which every warp has left (the barrier at its end).
         if (t + 1 < n_tiles) {
             bf16* next = kv_tiles + ((t + 1) % PREFILL_STAGES) * 2 * TILE;
-            issue_kv_tile<D>(next, next + TILE, k_cache, v_cache, table, page_tokens, kv_heads,
-                             kvh, k0 + KEY_TILE, last_pos);
+            issue_kv_tile<D, PREFILL_WARPS * 32>(next, next + TILE, k_cache, v_cache, table,
+                                                 page_tokens, kv_heads, kvh, k0 + KEY_TILE, last_pos);
             asm volatile("cp.async.wait_group 1;");
         } else {
             asm volatile("cp.async.wait_group 0;");
         }
         __syncthreads();
         float s[MT][KEY_TILE / 8][4];
-        score_tile<D, MT>(s, qs, ks, live, lane);
+        score_tile<D, MT>(s, qs, ks, lane);
         bool whole = k0 + KEY_TILE <= first_pos + 1 && k0 >= window_start(last_pos, window);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-            if (live[mt])
-                softmax_tile<D>(s[mt], o[mt], m[mt], l[mt], rows[mt], k0, whole, window,
-                                scale_log2, tig);
-        add_values_tile<D, MT>(o, s, vs, live, lane);
+            softmax_tile<D>(s[mt], o[mt], m[mt], l[mt], rows[mt], k0, whole, window, scale_log2,
+                            tig);
+        add_values_tile<D, MT>(o, s, vs, lane);
         __syncthreads();
     }
 #pragma unroll
