@@ -146,6 +146,12 @@ pub struct EngineConfig {
     pub gpu_memory_fraction: f64,
     /// Replay decode steps as CUDA graphs.
     pub cuda_graphs: bool,
+    /// GPUs one model is split over (tensor parallelism): `device`, `device + 1`, ... unless
+    /// `devices` names them. 1 runs on `device` alone.
+    pub tensor_parallel: usize,
+    /// The ranks' GPUs in rank order (`tensor_parallel` of them); empty: consecutive from
+    /// `device`.
+    pub devices: Vec<usize>,
 }
 
 impl Default for EngineConfig {
@@ -156,6 +162,8 @@ impl Default for EngineConfig {
             device: 0,
             gpu_memory_fraction: 0.9,
             cuda_graphs: true,
+            tensor_parallel: 1,
+            devices: Vec::new(),
         }
     }
 }
@@ -167,6 +175,20 @@ impl EngineConfig {
             fraction > 0.0 && fraction <= 1.0,
             "engine.gpu_memory_fraction",
             || format!("must be in (0, 1], got {fraction}"),
+        )?;
+        let n = self.tensor_parallel;
+        require((1..=8).contains(&n), "engine.tensor_parallel", || {
+            format!("must be 1 to 8 (GPUs of one host), got {n}")
+        })?;
+        require(
+            self.devices.is_empty() || self.devices.len() == n,
+            "engine.devices",
+            || {
+                format!(
+                    "names {} devices for tensor_parallel = {n}: name one per rank or none",
+                    self.devices.len()
+                )
+            },
         )?;
         Ok(self.clone())
     }
@@ -605,6 +627,11 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<Policies, PolicyError> {
+        require(
+            self.engine.tensor_parallel == 1 || self.snapshots.disk_dir.is_none(),
+            "snapshots.disk_dir",
+            || "the disk snapshot tier does not run with engine.tensor_parallel > 1 yet".into(),
+        )?;
         Ok(Policies {
             engine: self.engine.validate()?,
             cache: self.cache.validate()?,
@@ -833,6 +860,33 @@ mod tests {
             "{err}"
         );
         assert!(Policies::from_toml("[engine]\nbackend = \"tpu\"\n").is_err());
+    }
+
+    #[test]
+    fn tensor_parallel_names_one_device_a_rank_and_no_disk_tier() {
+        let policies =
+            Policies::from_toml("[engine]\ntensor_parallel = 2\ndevices = [1, 0]\n").unwrap();
+        assert_eq!(policies.engine.tensor_parallel, 2);
+        assert_eq!(policies.engine.devices, [1, 0]);
+        assert_eq!(Policies::from_toml("").unwrap().engine.tensor_parallel, 1);
+        assert_eq!(
+            invalid_key("[engine]\ntensor_parallel = 0\n"),
+            "engine.tensor_parallel"
+        );
+        assert_eq!(
+            invalid_key("[engine]\ntensor_parallel = 16\n"),
+            "engine.tensor_parallel"
+        );
+        assert_eq!(
+            invalid_key("[engine]\ntensor_parallel = 2\ndevices = [0]\n"),
+            "engine.devices"
+        );
+        assert_eq!(
+            invalid_key(
+                "[engine]\ntensor_parallel = 2\n[snapshots]\ndisk_dir = \"/tmp/s\"\ndisk_budget_bytes = 1000\n"
+            ),
+            "snapshots.disk_dir"
+        );
     }
 
     fn invalid_key(text: &str) -> &'static str {
