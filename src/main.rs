@@ -15,7 +15,7 @@ use engine::backend::Backend;
 use engine::bench::BenchSpec;
 use engine::chat::ChatMessage;
 use engine::cpu::{CpuBackend, CpuOptions};
-use engine::cuda::{CudaBackend, CudaOptions, PoolSize};
+use engine::cuda::{CudaOptions, PoolSize};
 use engine::fetch::{self, FetchOptions};
 use engine::generate::{Speculation, Vocabulary, generate_speculative};
 use engine::model::{ModelConfig, ModelFiles};
@@ -109,9 +109,19 @@ struct BenchArgs {
     #[arg(long, default_value_t = 0)]
     seed: u64,
 
-    /// CUDA device ordinal.
+    /// CUDA device ordinal (rank 0's with --tensor-parallel).
     #[arg(long, default_value_t = 0)]
     device: usize,
+
+    /// Split the model over this many GPUs (tensor parallelism): --device and the ones after
+    /// it, or those --devices names.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
+    tensor_parallel: u16,
+
+    /// The ranks' GPUs, one per rank, in rank order (a GPU may be named twice to try the
+    /// exchanges on one).
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<usize>,
 
     /// Share of the GPU's memory the CUDA backend may hold.
     #[arg(long, default_value_t = 0.9)]
@@ -166,6 +176,11 @@ struct ServeArgs {
     /// Backend, overriding the configuration's `[engine] backend`.
     #[arg(long, value_enum)]
     backend: Option<BackendArg>,
+
+    /// GPUs the model is split over (tensor parallelism), overriding `[engine]
+    /// tensor_parallel`.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=8))]
+    tensor_parallel: Option<u16>,
 
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -427,6 +442,22 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
     if let Some(key) = args.api_key.take() {
         policies.server.add_api_key(key)?;
     }
+    if let Some(n) = args.tensor_parallel {
+        let n = n as usize;
+        anyhow::ensure!(
+            n == 1 || policies.snapshots.disk_dir().is_none(),
+            "--tensor-parallel {n}: the disk snapshot tier does not run with tensor parallelism \
+             yet; leave [snapshots] disk_dir unset"
+        );
+        anyhow::ensure!(
+            policies.engine.devices.is_empty() || policies.engine.devices.len() == n,
+            "--tensor-parallel {n}, but [engine] devices names {} GPUs",
+            policies.engine.devices.len()
+        );
+        policies.engine.tensor_parallel = n;
+    }
+    // Before anything calls CUDA.
+    engine::cuda::tensor_parallel::prepare_process(&policies.engine.devices);
     if let Some(key) = args.admin_api_key.take() {
         policies.server.set_admin_api_key(key)?;
     }
@@ -649,9 +680,7 @@ fn random_backend(
         config.vocab_size,
         seed
     );
-    let backend = CudaBackend::random(config, seed, cuda)?;
-    tracing::info!("{}", backend.memory_plan());
-    Ok(Box::new(backend))
+    Ok(select::random_cuda(config, seed, cuda)?)
 }
 
 fn loadtest(args: LoadtestArgs) -> Result<()> {
@@ -786,6 +815,7 @@ fn generate_text(cache_dir: &Path, args: GenerateArgs) -> Result<()> {
 }
 
 fn bench(cache_dir: &Path, args: BenchArgs) -> Result<()> {
+    engine::cuda::tensor_parallel::prepare_process(&args.devices);
     let kind = select::resolve(args.backend.into(), args.device);
     let cuda = kind == Resolved::Cuda;
     let mut spec = BenchSpec {
@@ -807,7 +837,7 @@ fn bench(cache_dir: &Path, args: BenchArgs) -> Result<()> {
             .max()
             .unwrap_or(0)
             .max(2048);
-        Box::new(cuda_bench_backend(cache_dir, &args, &spec)?)
+        cuda_bench_backend(cache_dir, &args, &spec)?
     } else {
         anyhow::ensure!(
             !args.random_weights,
@@ -832,9 +862,15 @@ fn bench(cache_dir: &Path, args: BenchArgs) -> Result<()> {
 
 /// The CUDA backend for `snapserve bench`: a checkpoint, or random weights of a given shape;
 /// the KV pool takes what the memory plan leaves.
-fn cuda_bench_backend(cache_dir: &Path, args: &BenchArgs, spec: &BenchSpec) -> Result<CudaBackend> {
+fn cuda_bench_backend(
+    cache_dir: &Path,
+    args: &BenchArgs,
+    spec: &BenchSpec,
+) -> Result<Box<dyn Backend>> {
     let options = CudaOptions {
         device: args.device,
+        tensor_parallel: args.tensor_parallel as usize,
+        devices: args.devices.clone(),
         gpu_memory_fraction: args.gpu_memory_fraction,
         cuda_graphs: !args.no_cuda_graphs,
         gemv_max_tokens: args.gemv_max_tokens,
@@ -848,7 +884,7 @@ fn cuda_bench_backend(cache_dir: &Path, args: &BenchArgs, spec: &BenchSpec) -> R
         (Some(path), true) => {
             let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
             let config = ModelConfig::from_json(&text, path)?;
-            let backend = CudaBackend::random(config, args.seed, &options)?;
+            let backend = select::random_cuda(config, args.seed, &options)?;
             (
                 backend,
                 format!(
@@ -860,16 +896,24 @@ fn cuda_bench_backend(cache_dir: &Path, args: &BenchArgs, spec: &BenchSpec) -> R
         }
         _ => {
             let dir = model_dir(cache_dir, args.model.clone(), DType::BF16, false)?;
-            let backend = CudaBackend::load(&ModelFiles::open(&dir)?, &options)?;
+            let backend = select::load_cuda(&ModelFiles::open(&dir)?, &options)?;
             (backend, dir.display().to_string())
         }
     };
+    let ranks = options.rank_devices();
     println!(
         "snapserve bench: {what} on {} (CUDA graphs {}, gemv up to {} tokens)",
-        backend.device().name,
+        if ranks.len() == 1 {
+            format!("GPU {}", ranks[0])
+        } else {
+            format!("{} ranks, GPUs {ranks:?}", ranks.len())
+        },
         if options.cuda_graphs { "on" } else { "off" },
         options.gemv_max_tokens
     );
-    println!("{}", backend.memory_plan());
+    backend
+        .memory_plans()
+        .iter()
+        .for_each(|plan| println!("{plan}"));
     Ok(backend)
 }

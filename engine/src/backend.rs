@@ -379,6 +379,12 @@ pub trait Backend: Send {
     fn flip_byte(&mut self, backing: BackingId, offset: u64, mask: u8) -> Result<()>;
 
     fn memory(&self) -> MemoryReport;
+
+    /// What the backend planned to hold on its devices at start-up, one line block per device
+    /// (a rank each where the model is split); none on the CPU.
+    fn memory_plans(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// A contiguous range of host memory holding part of a backing.

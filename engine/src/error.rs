@@ -113,6 +113,9 @@ pub enum EngineError {
     #[error("the output could not follow its grammar: {0}")]
     Grammar(String),
 
+    #[error("tensor parallelism: {0}")]
+    TensorParallel(String),
+
     #[error("no usable CUDA device: {0}")]
     CudaUnavailable(String),
 

@@ -9,9 +9,10 @@ pub use policy::BackendKind;
 use crate::backend::Backend;
 use crate::cpu::{CpuBackend, CpuOptions};
 use crate::cuda::device::Device;
+use crate::cuda::tensor_parallel::TensorParallel;
 use crate::cuda::{CudaBackend, CudaOptions};
 use crate::error::{EngineError, Result};
-use crate::model::ModelFiles;
+use crate::model::{ModelConfig, ModelFiles};
 
 /// A backend kind with `auto` decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,13 +44,17 @@ pub fn load(
     cpu: &CpuOptions,
     cuda: &CudaOptions,
 ) -> Result<Box<dyn Backend>> {
-    match resolve(kind, cuda.device) {
+    let resolved = resolve(kind, cuda.device);
+    if resolved == Resolved::Cpu && cuda.tensor_parallel > 1 {
+        return Err(EngineError::TensorParallel(format!(
+            "tensor_parallel = {} splits the model over GPUs: it needs the CUDA backend",
+            cuda.tensor_parallel
+        )));
+    }
+    match resolved {
         Resolved::Cpu => Ok(Box::new(CpuBackend::load(model, cpu)?)),
-        Resolved::Cuda => match CudaBackend::load(model, cuda) {
-            Ok(backend) => {
-                tracing::info!("{}", backend.memory_plan());
-                Ok(Box::new(backend))
-            }
+        Resolved::Cuda => match load_cuda(model, cuda) {
+            Ok(backend) => Ok(backend),
             Err(EngineError::CudaUnavailable(reason)) if kind == BackendKind::Auto => {
                 tracing::info!("using the CPU backend: {reason}");
                 Ok(Box::new(CpuBackend::load(model, cpu)?))
@@ -57,6 +62,36 @@ pub fn load(
             Err(e) => Err(e),
         },
     }
+}
+
+/// `model` on the GPU, or split over `cuda.tensor_parallel` GPUs; the memory plan logged (a
+/// rank's each).
+pub fn load_cuda(model: &ModelFiles, cuda: &CudaOptions) -> Result<Box<dyn Backend>> {
+    let backend: Box<dyn Backend> = if cuda.tensor_parallel > 1 {
+        Box::new(TensorParallel::load(model, cuda)?)
+    } else {
+        Box::new(CudaBackend::load(model, cuda)?)
+    };
+    backend
+        .memory_plans()
+        .iter()
+        .for_each(|plan| tracing::info!("{plan}"));
+    Ok(backend)
+}
+
+/// A model of `config`'s shape with weights drawn on the GPU from `seed`, on one GPU or split
+/// over `cuda.tensor_parallel` (the same weights either way).
+pub fn random_cuda(config: ModelConfig, seed: u64, cuda: &CudaOptions) -> Result<Box<dyn Backend>> {
+    let backend: Box<dyn Backend> = if cuda.tensor_parallel > 1 {
+        Box::new(TensorParallel::random(config, seed, cuda)?)
+    } else {
+        Box::new(CudaBackend::random(config, seed, cuda)?)
+    };
+    backend
+        .memory_plans()
+        .iter()
+        .for_each(|plan| tracing::info!("{plan}"));
+    Ok(backend)
 }
 
 #[cfg(test)]

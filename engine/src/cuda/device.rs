@@ -97,6 +97,39 @@ impl Device {
         Ok(self.ctx.bind_to_thread()?)
     }
 
+    /// CUDA's ordinal of this device.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// Lets this context's kernels read and write `peer`'s memory (tensor parallelism's
+    /// exchanges). Ranks on one device share its context and need nothing.
+    pub fn enable_peer_access(&self, peer: &Device) -> Result<()> {
+        if peer.ordinal() == self.ordinal() {
+            return Ok(());
+        }
+        let mut can = 0;
+        // SAFETY: both devices are live handles; `can` is written by the call.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, self.ctx.cu_device(), peer.ctx.cu_device()) }
+            .result()?;
+        if can == 0 {
+            return Err(EngineError::TensorParallel(format!(
+                "device {} cannot access device {}'s memory (no NVLink or PCIe peer path), which \
+                 the tensor-parallel exchanges need",
+                self.ordinal(),
+                peer.ordinal()
+            )));
+        }
+        self.bind()?;
+        // SAFETY: this context is current; the peer context lives as long as `peer`.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer.ctx.cu_ctx(), 0) } {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+                Ok(())
+            }
+            other => Err(other.result().unwrap_err().into()),
+        }
+    }
+
     /// Bytes of device memory free right now.
     pub fn free_bytes(&self) -> Result<u64> {
         Ok(self.ctx.mem_get_info()?.0 as u64)

@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use half::bf16;
 
+use super::collective::Collective;
 use super::device::{DPtr, Device, DeviceBuffer};
 use super::gemm::{Gemm, Linear};
 use super::kernels::{
@@ -178,6 +179,18 @@ pub struct Forward<'a> {
     pub gemv_max_tokens: usize,
     /// ... and only for weights of at most this many bytes.
     pub gemv_max_weight_bytes: usize,
+    /// This rank's exchanges, where the model is split over several.
+    pub tp: Option<TpForward<'a>>,
+}
+
+/// What a tensor-parallel rank's pass adds: an all-reduce of each sublayer's output into the
+/// residual stream, its slice of the logits gathered on rank 0.
+#[derive(Clone, Copy)]
+pub struct TpForward<'a> {
+    pub collective: &'a Collective,
+    /// `[logit rows, local_vocab]`, registered with the group.
+    pub logits_local: DPtr<f32>,
+    pub local_vocab: usize,
 }
 
 impl Forward<'_> {
@@ -203,6 +216,22 @@ impl Forward<'_> {
     /// Projects packed rows `first..first + rows` of `normed` into `logits` rows `0..rows`.
     pub fn logits(&self, first: usize, rows: usize) -> Result<()> {
         let h = self.config.hidden_size;
+        if let Some(tp) = &self.tp {
+            self.gemm.linear_f32(
+                self.ws.normed.offset(first * h),
+                self.weights.lm_head(),
+                tp.logits_local,
+                Linear {
+                    tokens: rows,
+                    in_features: h,
+                    out_features: tp.local_vocab,
+                },
+            )?;
+            return tp.collective.launch(|group| {
+                self.kernels
+                    .tp_gather_logits(&group, self.ws.logits, rows, tp.local_vocab)
+            });
+        }
         self.gemm.linear_f32(
             self.ws.normed.offset(first * h),
             self.weights.lm_head(),
@@ -272,7 +301,21 @@ impl Forward<'_> {
 
     /// A sublayer's output projection: added to the residual stream by the gemv where it
     /// serves, else left in `proj` for the next norm to add.
+    /// On a rank of a split model the projection is a partial sum over this rank's heads or
+    /// columns: it goes to `proj`, and the all-reduce adds every rank's into the stream.
     fn project_out(&self, x: DPtr<bf16>, w: DPtr<bf16>, shape: Linear) -> Result<Stream> {
+        if let Some(tp) = &self.tp {
+            if self.gemv_serves(shape) {
+                let out = GemvOutput::Rows(self.ws.proj);
+                self.kernels.gemv(GemvInput::Rows(x), w, out, shape)?;
+            } else {
+                self.gemm.linear(x, w, self.ws.proj, shape)?;
+            }
+            let elems = shape.tokens * shape.out_features;
+            tp.collective
+                .launch(|group| self.kernels.tp_all_reduce_add(&group, self.ws.x, elems))?;
+            return Ok(Stream::Current);
+        }
         if self.gemv_serves(shape) {
             let out = GemvOutput::Accumulate(self.ws.x);
             self.kernels.gemv(GemvInput::Rows(x), w, out, shape)?;

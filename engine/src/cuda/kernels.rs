@@ -19,7 +19,7 @@ use super::gemm::Linear;
 use crate::error::{EngineError, Result};
 
 /// The sources, `common.cuh` first.
-const SOURCES: [(&str, &str); 12] = [
+const SOURCES: [(&str, &str); 13] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "embedding.cu",
@@ -50,6 +50,10 @@ const SOURCES: [(&str, &str); 12] = [
     (
         "random_init.cu",
         include_str!("../../../kernels/random_init.cu"),
+    ),
+    (
+        "collective.cu",
+        include_str!("../../../kernels/collective.cu"),
     ),
 ];
 
@@ -216,6 +220,8 @@ pub struct Kernels {
     clone_pages: CudaFunction,
     unpack_step: CudaFunction,
     fill_uniform_bf16: CudaFunction,
+    tp_all_reduce_add: CudaFunction,
+    tp_gather_logits: CudaFunction,
     device: Arc<Device>,
 }
 
@@ -259,6 +265,8 @@ impl Kernels {
             clone_pages: f("clone_pages")?,
             unpack_step: f("unpack_step")?,
             fill_uniform_bf16: f("fill_uniform_bf16")?,
+            tp_all_reduce_add: f("tp_all_reduce_add")?,
+            tp_gather_logits: f("tp_gather_logits")?,
             device: device.clone(),
         })
     }
@@ -583,16 +591,112 @@ impl Kernels {
         seed: u64,
         range: (f32, f32),
     ) -> Result<()> {
+        let whole = Window {
+            rows: 1,
+            cols: n,
+            row0: 0,
+            col0: 0,
+            full_cols: n,
+        };
+        self.fill_uniform_window(out, whole, seed, range)
+    }
+
+    /// `residual += Σ partials` over every rank of `group`, for `elems` elements (a multiple of
+    /// 8): each rank's `partials` buffer is the one it registered with the group.
+    pub fn tp_all_reduce_add(
+        &self,
+        group: &GroupArgs,
+        residual: DPtr<f32>,
+        elems: usize,
+    ) -> Result<()> {
+        debug_assert!(elems.is_multiple_of(8));
+        let args = Args::new()
+            .ptr(group.table)
+            .ptr(group.epochs)
+            .ptr(group.timed_out)
+            .ptr(residual)
+            .u32(elems as u32)
+            .u32(group.rank as u32)
+            .u32(group.world as u32);
+        self.device.launch(
+            &self.tp_all_reduce_add,
+            (TP_BLOCKS, 1, 1),
+            TP_THREADS,
+            &args,
+        )
+    }
+
+    /// Rank 0 gathers `rows` rows of every rank's `cols` logits (the buffers registered with the
+    /// group) into `logits`, `cols · world` wide; every rank calls it.
+    pub fn tp_gather_logits(
+        &self,
+        group: &GroupArgs,
+        logits: DPtr<f32>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let args = Args::new()
+            .ptr(group.table)
+            .ptr(group.epochs)
+            .ptr(group.timed_out)
+            .ptr(logits)
+            .u32(rows as u32)
+            .u32(cols as u32)
+            .u32(group.rank as u32)
+            .u32(group.world as u32);
+        self.device
+            .launch(&self.tp_gather_logits, (TP_BLOCKS, 1, 1), TP_THREADS, &args)
+    }
+
+    /// The `window` of a tensor [`Kernels::fill_uniform`] would draw whole: the same values.
+    pub fn fill_uniform_window(
+        &self,
+        out: DPtr<bf16>,
+        window: Window,
+        seed: u64,
+        range: (f32, f32),
+    ) -> Result<()> {
         let args = Args::new()
             .ptr(out)
-            .u64(n as u64)
+            .u64(window.rows as u64)
+            .u64(window.cols as u64)
+            .u64(window.row0 as u64)
+            .u64(window.col0 as u64)
+            .u64(window.full_cols as u64)
             .u64(seed)
             .f32(range.0)
             .f32(range.1);
-        let blocks = self.elementwise_blocks(n);
+        let blocks = self.elementwise_blocks(window.rows * window.cols);
         self.device
             .launch(&self.fill_uniform_bf16, (blocks, 1, 1), THREADS, &args)
     }
+}
+
+/// A window of a row-major tensor `full_cols` wide: `rows` × `cols` from (`row0`, `col0`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    pub rows: usize,
+    pub cols: usize,
+    pub row0: usize,
+    pub col0: usize,
+    pub full_cols: usize,
+}
+
+/// Blocks of every tensor-parallel exchange (`TP_BLOCKS` in `kernels/collective.cu`).
+pub const TP_BLOCKS: u32 = 32;
+const TP_THREADS: u32 = 512;
+
+/// What one rank's exchange kernels need of its group (see [`super::collective`]).
+#[derive(Debug, Clone, Copy)]
+pub struct GroupArgs {
+    /// The group's `TpPeers` table on this rank's device.
+    pub table: DPtr<u8>,
+    /// This rank's epoch per block.
+    pub epochs: DPtr<u32>,
+    /// Set by a block that waited too long for a peer.
+    pub timed_out: DPtr<u32>,
+    pub rank: usize,
+    pub world: usize,
 }
 
 /// Arguments of [`Kernels::embed`].

@@ -21,7 +21,9 @@
 //! - [`graphs`]: decode graphs.
 //! - [`sample`]: sampling on the device.
 //! - [`snapshots`]: snapshot buffers and page copies.
+//! - [`collective`], [`tensor_parallel`]: one model over several GPUs, a rank each.
 
+pub mod collective;
 pub mod device;
 pub mod forward;
 pub mod gemm;
@@ -32,6 +34,7 @@ pub mod pool;
 pub mod sample;
 pub mod snapshots;
 pub mod step_meta;
+pub mod tensor_parallel;
 pub mod weights;
 
 #[cfg(test)]
@@ -45,10 +48,11 @@ use policy::{AdmissionPolicy, CachePolicy, EngineConfig, SnapshotPolicy};
 
 use crate::backend::{Backend, BackendInfo, HostRun, MemoryReport, RowPlan, StepOutput, StepPlan};
 use crate::error::{EngineError, Result};
-use crate::model::{ModelConfig, ModelFiles, Weights};
+use crate::model::{ModelConfig, ModelFiles, Shard, Weights};
 use crate::sampling::Sampler;
+use collective::{Collective, Endpoint};
 use device::{DPtr, Device, DeviceBuffer};
-use forward::{AttentionMode, Forward, Workspace, WorkspaceSizes};
+use forward::{AttentionMode, Forward, TpForward, Workspace, WorkspaceSizes};
 use gemm::Gemm;
 use graphs::DecodeGraphs;
 use kernels::{AttnShape, Kernels};
@@ -67,6 +71,12 @@ pub const DEFAULT_GEMV_MAX_TOKENS: usize = 1;
 #[derive(Debug, Clone, PartialEq)]
 pub struct CudaOptions {
     pub device: usize,
+    /// Ranks the model is split over (tensor parallelism), a GPU each: `device`, `device + 1`,
+    /// ... unless `devices` names them.
+    pub tensor_parallel: usize,
+    /// The ranks' devices, in rank order; empty for consecutive ones from `device`. A device
+    /// may be named twice (tests of the exchanges on one GPU).
+    pub devices: Vec<usize>,
     /// Share of the device's memory the backend may hold in all.
     pub gpu_memory_fraction: f64,
     pub cuda_graphs: bool,
@@ -96,6 +106,15 @@ pub struct CudaOptions {
 }
 
 impl CudaOptions {
+    /// Each rank's device.
+    pub fn rank_devices(&self) -> Vec<usize> {
+        if self.devices.is_empty() {
+            (self.device..self.device + self.tensor_parallel).collect()
+        } else {
+            self.devices.clone()
+        }
+    }
+
     /// The options a server configuration asks for.
     pub fn from_policies(
         engine: &EngineConfig,
@@ -105,6 +124,8 @@ impl CudaOptions {
     ) -> Self {
         CudaOptions {
             device: engine.device,
+            tensor_parallel: engine.tensor_parallel,
+            devices: engine.devices.clone(),
             gpu_memory_fraction: engine.gpu_memory_fraction,
             cuda_graphs: engine.cuda_graphs,
             page_tokens: cache.page_tokens(),
@@ -129,6 +150,8 @@ impl CudaOptions {
     pub fn for_tokens(tokens: usize, max_step_tokens: usize, max_rows: usize) -> Self {
         CudaOptions {
             device: 0,
+            tensor_parallel: 1,
+            devices: Vec::new(),
             gpu_memory_fraction: 0.9,
             cuda_graphs: true,
             page_tokens: 16,
@@ -144,14 +167,38 @@ impl CudaOptions {
     }
 }
 
+/// How a verification step runs (see [`CudaBackend::verify_route`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerifyRoute {
+    /// The logits of every wanted row downloaded and picked on the host.
+    Host,
+    /// A decode step of one row per position, through the decode graphs.
+    AsDecode,
+    /// One pass, every wanted row picked greedily on the device.
+    Wanted,
+}
+
+/// A tensor-parallel rank's exchange state.
+struct TpState {
+    collective: Collective,
+    /// This rank's slice of the logits, `[logit rows, vocab / world]`.
+    logits_local: DeviceBuffer,
+    local_vocab: usize,
+}
+
 /// Where the weights come from.
+#[derive(Clone, Copy)]
 enum WeightSource<'a> {
     Checkpoint(&'a Weights),
     Random { seed: u64 },
 }
 
 pub struct CudaBackend {
+    /// The model as this rank computes it ([`Shard::local`]): the whole model on one GPU.
     config: ModelConfig,
+    shard: Shard,
+    /// A rank's end of the exchanges, where the model is split.
+    tp: Option<TpState>,
     gemv_max_tokens: usize,
     gemv_max_weight_bytes: usize,
     programmatic_launch: bool,
@@ -190,16 +237,41 @@ impl CudaBackend {
         weights: &Weights,
         options: &CudaOptions,
     ) -> Result<Self> {
-        Self::build(config, options, WeightSource::Checkpoint(weights))
+        if options.tensor_parallel > 1 {
+            return Err(EngineError::TensorParallel(
+                "a split model is built by tensor_parallel::TensorParallel".into(),
+            ));
+        }
+        Self::build(
+            config,
+            options,
+            WeightSource::Checkpoint(weights),
+            Shard::WHOLE,
+            None,
+        )
     }
 
     /// A model of `config`'s shape with weights drawn on the GPU from `seed`.
     pub fn random(config: ModelConfig, seed: u64, options: &CudaOptions) -> Result<Self> {
-        Self::build(config, options, WeightSource::Random { seed })
+        Self::build(
+            config,
+            options,
+            WeightSource::Random { seed },
+            Shard::WHOLE,
+            None,
+        )
     }
 
-    fn build(config: ModelConfig, options: &CudaOptions, source: WeightSource) -> Result<Self> {
+    /// Rank `shard` of `model` on `options.device` (the whole model for [`Shard::WHOLE`]).
+    fn build(
+        model: ModelConfig,
+        options: &CudaOptions,
+        source: WeightSource,
+        shard: Shard,
+        fence: Option<Arc<collective::HostFence>>,
+    ) -> Result<Self> {
         check_options(options)?;
+        let config = shard.local(&model);
         if !config.hidden_size.is_multiple_of(8) {
             return Err(EngineError::CudaUnavailable(format!(
                 "hidden_size {} is not a multiple of 8, which the CUDA kernels read 8 at a time",
@@ -221,7 +293,7 @@ impl CudaBackend {
             total_bytes: device.total_bytes,
             free_bytes: device.free_bytes()?,
             gpu_memory_fraction: options.gpu_memory_fraction,
-            weights_bytes: WeightLayout::new(&config).bytes() as u64,
+            weights_bytes: WeightLayout::new(&model, shard).bytes() as u64,
             workspace_bytes: (sizes.bytes(&config) + capacity.bytes()) as u64,
             snapshot_bytes: device_arena_bytes(options.device_snapshot_bytes),
             pool: options.pool,
@@ -230,8 +302,24 @@ impl CudaBackend {
             min_pages: geometry.pages_for(options.max_step_tokens),
         })?;
         let weights = match source {
-            WeightSource::Checkpoint(w) => GpuWeights::load(&device, &config, w)?,
-            WeightSource::Random { seed } => GpuWeights::random(&device, &kernels, &config, seed)?,
+            WeightSource::Checkpoint(w) => GpuWeights::load(&device, &model, shard, w)?,
+            WeightSource::Random { seed } => {
+                GpuWeights::random(&device, &kernels, &model, shard, seed)?
+            }
+        };
+        let tp = if shard.is_whole() {
+            None
+        } else {
+            let local_vocab = shard.vocab(&model).len();
+            Some(TpState {
+                collective: Collective::new(&device, shard, fence)?,
+                logits_local: DeviceBuffer::alloc(
+                    &device,
+                    sizes.logit_rows * local_vocab * 4,
+                    "this rank's logits",
+                )?,
+                local_vocab,
+            })
         };
         let pool = KvPool::new(&device, geometry, plan.pool_pages)?;
         let info = BackendInfo {
@@ -268,9 +356,55 @@ impl CudaBackend {
             gemv_max_weight_bytes: options.gemv_max_weight_bytes,
             programmatic_launch: options.programmatic_launch,
             config,
+            shard,
+            tp,
             info,
             plan,
         })
+    }
+
+    /// This rank's entry in its group's table, if the model is split.
+    fn endpoint(&self) -> Option<Endpoint> {
+        let tp = self.tp.as_ref()?;
+        Some(tp.collective.endpoint(self.ws.proj, tp.logits_local.ptr()))
+    }
+
+    /// Gives this rank its group's table.
+    fn connect(&self, endpoints: &[Endpoint]) -> Result<()> {
+        self.device.bind()?;
+        match &self.tp {
+            Some(tp) => tp.collective.connect(&self.device, endpoints),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for the queued work (an exchange waiting for a rank that failed gives up in
+    /// time), then zeroes the exchanges' state.
+    fn reset_exchanges(&mut self) -> Result<()> {
+        self.device.bind()?;
+        self.device.synchronize()?;
+        match &self.tp {
+            Some(tp) => tp.collective.reset(&self.device),
+            None => Ok(()),
+        }
+    }
+
+    /// Where an exchange gave up waiting for a peer since the last reset, if one did, and the
+    /// exchanges this rank has run.
+    fn exchange_state(&self) -> Result<(Option<String>, u32)> {
+        match &self.tp {
+            Some(tp) => Ok((
+                tp.collective.timeout(&self.device)?,
+                tp.collective.exchanges(&self.device)?,
+            )),
+            None => Ok((None, 0)),
+        }
+    }
+
+    /// Whether this backend's results are the step's: the whole model, or rank 0 of a split
+    /// one (which gathers the logits). The other ranks only keep their part of the exchanges.
+    fn leads(&self) -> bool {
+        self.shard.rank == 0
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -308,6 +442,11 @@ impl CudaBackend {
             page_tokens: self.info.geometry.page_tokens,
             gemv_max_tokens: self.gemv_max_tokens,
             gemv_max_weight_bytes: self.gemv_max_weight_bytes,
+            tp: self.tp.as_ref().map(|tp| TpForward {
+                collective: &tp.collective,
+                logits_local: tp.logits_local.ptr(),
+                local_vocab: tp.local_vocab,
+            }),
         }
     }
 
@@ -408,17 +547,24 @@ impl CudaBackend {
             } else {
                 0
             };
-        let replayed = graphs.replay(&self.device, key, || {
-            forward.run(
-                bucket,
-                AttentionMode::Decode {
-                    rows: bucket,
-                    splits,
-                    append_first,
-                },
-            )?;
-            forward.logits(0, bucket)
-        });
+        let mut replay = || {
+            graphs.replay(&self.device, key, || {
+                forward.run(
+                    bucket,
+                    AttentionMode::Decode {
+                        rows: bucket,
+                        splits,
+                        append_first,
+                    },
+                )?;
+                forward.logits(0, bucket)
+            })
+        };
+        // A split model's graph launch is an exchange's too (see `collective::HostFence`).
+        let replayed = match &self.tp {
+            Some(tp) => tp.collective.fenced(replay),
+            None => replay(),
+        };
         self.graphs = Some(graphs);
         self.last_replay = Some(replayed?);
         Ok((layout, true))
@@ -543,6 +689,9 @@ impl CudaBackend {
     /// Picks from logit rows `0..rows` on the device, with the step's sample parameters (no
     /// grammar masks), and downloads the picks.
     fn pick_on_device(&self, rows: usize) -> Result<Vec<u32>> {
+        if !self.leads() {
+            return Ok(vec![0; rows]);
+        }
         self.kernels.sample_rows(
             self.ws.logits,
             self.config.vocab_size,
@@ -567,6 +716,9 @@ impl CudaBackend {
         if !projected {
             self.forward().logits(first, rows)?;
         }
+        if !self.leads() {
+            return Ok(());
+        }
         let vocab = self.config.vocab_size;
         self.device
             .download(self.ws.logits, &mut out[..rows * vocab])
@@ -575,6 +727,20 @@ impl CudaBackend {
     fn step_logits(&mut self, plan: &StepPlan) -> Result<StepOutput> {
         let (layout, projected) = self.execute(plan, LogitSelection::Wanted, &[])?;
         let vocab = self.config.vocab_size;
+        if !self.leads() {
+            // The same projections (and exchanges) as rank 0's, whose results it keeps.
+            if !projected {
+                let chunk = self.ws.sizes.logit_rows;
+                for first in (0..layout.logit_rows).step_by(chunk) {
+                    let rows = chunk.min(layout.logit_rows - first);
+                    self.forward().logits(first, rows)?;
+                }
+            }
+            return Ok(StepOutput {
+                vocab_size: vocab,
+                ..StepOutput::default()
+            });
+        }
         let mut row_ranges = Vec::with_capacity(plan.rows.len());
         let mut next = 0;
         for row in &plan.rows {
@@ -725,42 +891,13 @@ impl Backend for CudaBackend {
         self.last_step_kernels = None;
         self.device.bind()?;
         plan.validate(&self.info)?;
-        let logit_rows: usize = plan.rows.iter().map(RowPlan::logit_rows).sum();
-        let on_device = samplers.iter().flatten().all(|s| s.samples_on_device());
-        let greedy = samplers.iter().flatten().all(|s| s.greedy_on_device());
-        let fits = logit_rows <= self.ws.sizes.rows.min(self.ws.sizes.logit_rows);
-        if plan.rows.is_empty() || !on_device || !fits {
-            return crate::backend::verify_on_host(self, plan, samplers, drafts);
+        match self.verify_route(plan, samplers, drafts) {
+            VerifyRoute::Host => crate::backend::verify_on_host(self, plan, samplers, drafts),
+            VerifyRoute::AsDecode => Ok(self
+                .verify_as_decode(plan, samplers, drafts)?
+                .expect("routed only where the rows fit a decode step")),
+            VerifyRoute::Wanted => self.verify_wanted(plan, samplers, drafts),
         }
-        if let Some(picks) = self.verify_as_decode(plan, samplers, drafts)? {
-            return Ok(picks);
-        }
-        if !greedy {
-            return crate::backend::verify_on_host(self, plan, samplers, drafts);
-        }
-        let mut params = Vec::with_capacity(logit_rows * kernels::SAMPLE_PARAM_WORDS);
-        (0..logit_rows).for_each(|_| sample::push_greedy(&mut params));
-        let (layout, projected) = self.execute(plan, LogitSelection::Wanted, &params)?;
-        if projected {
-            return Err(EngineError::InvalidStep(
-                "a verification step ran as a decode graph".into(),
-            ));
-        }
-        self.forward().logits(0, layout.logit_rows)?;
-        let picked = self.pick_on_device(layout.logit_rows)?;
-        let mut next = 0;
-        let mut picks = Vec::with_capacity(plan.rows.len());
-        for ((row, sampler), &drafted) in plan.rows.iter().zip(samplers.iter()).zip(drafts) {
-            let rows = &picked[next..next + row.logit_rows()];
-            next += row.logit_rows();
-            picks.push(match sampler {
-                Some(_) => {
-                    crate::backend::verify_row(row, drafted, |k| rows[rows.len() - 1 - drafted + k])
-                }
-                None => Vec::new(),
-            });
-        }
-        Ok(picks)
     }
 
     fn last_step_kernels(&self) -> Option<usize> {
@@ -840,6 +977,10 @@ impl Backend for CudaBackend {
         self.backings.flip_byte(backing, offset, mask)
     }
 
+    fn memory_plans(&self) -> Vec<String> {
+        vec![self.plan.to_string()]
+    }
+
     fn memory(&self) -> MemoryReport {
         MemoryReport {
             weights_bytes: self.weights.bytes(),
@@ -859,6 +1000,85 @@ impl Drop for CudaBackend {
 }
 
 impl CudaBackend {
+    /// Where a verification runs: every rank of a split model takes rank 0's route.
+    pub fn verify_route(
+        &self,
+        plan: &StepPlan,
+        samplers: &[Option<&mut Sampler>],
+        drafts: &[usize],
+    ) -> VerifyRoute {
+        let logit_rows: usize = plan.rows.iter().map(RowPlan::logit_rows).sum();
+        let on_device = samplers.iter().flatten().all(|s| s.samples_on_device());
+        let greedy = samplers.iter().flatten().all(|s| s.greedy_on_device());
+        let max_rows = self.ws.sizes.rows.min(self.ws.sizes.logit_rows);
+        if plan.rows.is_empty() || !on_device || logit_rows > max_rows {
+            return VerifyRoute::Host;
+        }
+        let shaped = plan
+            .rows
+            .iter()
+            .zip(drafts)
+            .all(|(row, &drafted)| row.tokens.len() == drafted + 1);
+        let rows: usize = plan.rows.iter().map(|row| row.tokens.len()).sum();
+        if shaped && rows <= max_rows {
+            VerifyRoute::AsDecode
+        } else if greedy {
+            VerifyRoute::Wanted
+        } else {
+            VerifyRoute::Host
+        }
+    }
+
+    /// A rank other than 0 of a split model runs the passes of rank 0's verification.
+    pub fn follow_verify(
+        &mut self,
+        plan: &StepPlan,
+        drafts: &[usize],
+        route: VerifyRoute,
+    ) -> Result<()> {
+        self.device.bind()?;
+        let mut none: Vec<Option<&mut Sampler>> = (0..plan.rows.len()).map(|_| None).collect();
+        match route {
+            VerifyRoute::Host => self.step(plan).map(drop),
+            VerifyRoute::AsDecode => self.verify_as_decode(plan, &mut none, drafts).map(drop),
+            VerifyRoute::Wanted => self.verify_wanted(plan, &mut none, drafts).map(drop),
+        }
+    }
+
+    /// A greedy verification of rows of any shape: every wanted row's logits picked on the
+    /// device.
+    fn verify_wanted(
+        &mut self,
+        plan: &StepPlan,
+        samplers: &mut [Option<&mut Sampler>],
+        drafts: &[usize],
+    ) -> Result<Vec<Vec<u32>>> {
+        let logit_rows: usize = plan.rows.iter().map(RowPlan::logit_rows).sum();
+        let mut params = Vec::with_capacity(logit_rows * kernels::SAMPLE_PARAM_WORDS);
+        (0..logit_rows).for_each(|_| sample::push_greedy(&mut params));
+        let (layout, projected) = self.execute(plan, LogitSelection::Wanted, &params)?;
+        if projected {
+            return Err(EngineError::InvalidStep(
+                "a verification step ran as a decode graph".into(),
+            ));
+        }
+        self.forward().logits(0, layout.logit_rows)?;
+        let picked = self.pick_on_device(layout.logit_rows)?;
+        let mut next = 0;
+        let mut picks = Vec::with_capacity(plan.rows.len());
+        for ((row, sampler), &drafted) in plan.rows.iter().zip(samplers.iter()).zip(drafts) {
+            let rows = &picked[next..next + row.logit_rows()];
+            next += row.logit_rows();
+            picks.push(match sampler {
+                Some(_) => {
+                    crate::backend::verify_row(row, drafted, |k| rows[rows.len() - 1 - drafted + k])
+                }
+                None => Vec::new(),
+            });
+        }
+        Ok(picks)
+    }
+
     /// Queues the upload of the step's grammar bitmasks (every word set for rows without one)
     /// when any device-sampled row has a grammar; says which rows do.
     fn upload_masks(&mut self, samplers: &mut [Option<&mut Sampler>]) -> Result<Vec<bool>> {
@@ -917,6 +1137,9 @@ impl CudaBackend {
         let (_, projected) = self.execute(plan, LogitSelection::LastOfEachRow, &params)?;
         if !projected {
             self.forward().logits(0, rows)?;
+        }
+        if !self.leads() {
+            return Ok(vec![None; rows]);
         }
         // The device computes the logits meanwhile: grammars work out their masks now, one
         // row per core.

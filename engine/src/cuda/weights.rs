@@ -4,45 +4,63 @@
 //! knows the weights' size before anything is read. q/k/v and gate/up are fused as on the CPU
 //! (their rows concatenated, since a weight is `[out, in]`); a tied model's vocabulary
 //! projection is its embedding table. Tensors are copied from a checkpoint (converted to bf16 on
-//! the host when stored in another type) or drawn on the device from a seed.
+//! the host when stored in another type) or drawn on the device from a seed. A tensor-parallel
+//! rank holds its shard of each (see [`crate::model::shard`]): row slices of q/k/v, gate/up and
+//! the vocabulary projection, column slices of the output and down projections.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use half::bf16;
 
 use super::device::{DPtr, Device, DeviceBuffer};
-use super::kernels::Kernels;
+use super::kernels::{Kernels, Window};
 use crate::dtype::DType;
 use crate::error::{EngineError, Result};
-use crate::model::{ModelConfig, Weights};
+use crate::model::{ModelConfig, Shard, Weights};
 
 /// Tensors start on 256-byte boundaries, as cuBLAS likes its operands.
 const ALIGN_BYTES: usize = 256;
 
-/// One fused tensor: its checkpoint parts (name, rows), its row width (1 for a vector), its
-/// place.
+/// One checkpoint tensor's share of a slot: rows `row0..row0 + rows` of the tensor's
+/// `tensor_rows`, and of its columns those the slot holds.
+#[derive(Debug, Clone)]
+struct Part {
+    name: String,
+    rows: usize,
+    tensor_rows: usize,
+    row0: usize,
+    /// Where the tensor's rows start in the fused tensor one device holds whole (random weights
+    /// are drawn by their place there).
+    fused_row0: usize,
+}
+
+/// One fused tensor: its checkpoint parts, the columns it holds of each (`col0..col0 + cols`
+/// of `full_cols`; a vector has one), its place.
 #[derive(Debug, Clone)]
 struct Slot {
-    parts: Vec<(String, usize)>,
+    parts: Vec<Part>,
     cols: usize,
+    col0: usize,
+    full_cols: usize,
     offset_bytes: usize,
 }
 
 impl Slot {
     fn elems(&self) -> usize {
-        self.parts.iter().map(|(_, rows)| rows).sum::<usize>() * self.cols
+        self.parts.iter().map(|p| p.rows).sum::<usize>() * self.cols
     }
 
     /// How random weights for this tensor are drawn: norms near 1, the embedding and biases in
     /// [-1, 1), matrices with a fan-in scale (as `model::synthetic` draws them).
     fn random_range(&self) -> (f32, f32) {
-        let name = &self.parts[0].0;
+        let name = &self.parts[0].name;
         if name.ends_with("norm.weight") {
             (0.9, 1.1)
         } else if name.contains("embed_tokens") || name.ends_with(".bias") {
             (-1.0, 1.0)
         } else {
-            let scale = (3.0 / self.cols as f32).sqrt();
+            let scale = (3.0 / self.full_cols as f32).sqrt();
             (-scale, scale)
         }
     }
@@ -55,57 +73,101 @@ pub struct WeightLayout {
     bytes: usize,
     tied: bool,
     qkv_bias: bool,
+    /// The first vocabulary row this rank projects (a tied model's slice of the embedding).
+    vocab_row0: usize,
 }
 
 /// Slots per layer, in order: attention norm, qkv, o, MLP norm, gate/up, down, [qkv bias].
 const LAYER_SLOTS: usize = 6;
 
+/// A tensor's rows `range` of `total`, at `fused_row0` in its fused tensor.
+fn part(name: String, total: usize, range: Range<usize>, fused_row0: usize) -> Part {
+    Part {
+        name,
+        rows: range.len(),
+        tensor_rows: total,
+        row0: range.start,
+        fused_row0,
+    }
+}
+
 impl WeightLayout {
-    pub fn new(c: &ModelConfig) -> Self {
-        let (h, f, q, kv, v) = (
+    /// The tensors rank `shard` holds of a model of `c` (all of them for [`Shard::WHOLE`]).
+    pub fn new(c: &ModelConfig, shard: Shard) -> Self {
+        let (h, f, q, kv, v, d) = (
             c.hidden_size,
             c.intermediate_size,
             c.q_dim(),
             c.kv_dim(),
             c.vocab_size,
+            c.head_dim,
         );
-        let mut specs: Vec<(Vec<(String, usize)>, usize)> =
-            vec![(vec![("model.embed_tokens.weight".into(), v)], h)];
+        let heads = shard.heads(c);
+        let (q_rows, kv_rows) = (
+            heads.start * d..heads.end * d,
+            shard.kv_heads(c).start * d..shard.kv_heads(c).end * d,
+        );
+        let mlp = shard.mlp(c);
+        let whole = |name: String, rows: usize| vec![part(name, rows, 0..rows, 0)];
+        // (parts, columns held, full columns)
+        let mut specs: Vec<(Vec<Part>, Range<usize>, usize)> =
+            vec![(whole("model.embed_tokens.weight".into(), v), 0..h, h)];
         for i in 0..c.num_layers {
             let p = |leaf: &str| format!("model.layers.{i}.{leaf}");
             let qkv = |kind: &str| {
                 vec![
-                    (p(&format!("self_attn.q_proj.{kind}")), q),
-                    (p(&format!("self_attn.k_proj.{kind}")), kv),
-                    (p(&format!("self_attn.v_proj.{kind}")), kv),
+                    part(p(&format!("self_attn.q_proj.{kind}")), q, q_rows.clone(), 0),
+                    part(
+                        p(&format!("self_attn.k_proj.{kind}")),
+                        kv,
+                        kv_rows.clone(),
+                        q,
+                    ),
+                    part(
+                        p(&format!("self_attn.v_proj.{kind}")),
+                        kv,
+                        kv_rows.clone(),
+                        q + kv,
+                    ),
                 ]
             };
             specs.extend([
-                (vec![(p("input_layernorm.weight"), h)], 1),
-                (qkv("weight"), h),
-                (vec![(p("self_attn.o_proj.weight"), h)], q),
-                (vec![(p("post_attention_layernorm.weight"), h)], 1),
+                (whole(p("input_layernorm.weight"), h), 0..1, 1),
+                (qkv("weight"), 0..h, h),
+                (whole(p("self_attn.o_proj.weight"), h), q_rows.clone(), q),
+                (whole(p("post_attention_layernorm.weight"), h), 0..1, 1),
                 (
-                    vec![(p("mlp.gate_proj.weight"), f), (p("mlp.up_proj.weight"), f)],
+                    vec![
+                        part(p("mlp.gate_proj.weight"), f, mlp.clone(), 0),
+                        part(p("mlp.up_proj.weight"), f, mlp.clone(), f),
+                    ],
+                    0..h,
                     h,
                 ),
-                (vec![(p("mlp.down_proj.weight"), h)], f),
+                (whole(p("mlp.down_proj.weight"), h), mlp.clone(), f),
             ]);
             if c.qkv_bias {
-                specs.push((qkv("bias"), 1));
+                specs.push((qkv("bias"), 0..1, 1));
             }
         }
-        specs.push((vec![("model.norm.weight".into(), h)], 1));
+        specs.push((whole("model.norm.weight".into(), h), 0..1, 1));
+        let vocab = shard.vocab(c);
         if !c.tie_word_embeddings {
-            specs.push((vec![("lm_head.weight".into(), v)], h));
+            specs.push((
+                vec![part("lm_head.weight".into(), v, vocab.clone(), 0)],
+                0..h,
+                h,
+            ));
         }
         let mut bytes = 0;
         let slots = specs
             .into_iter()
-            .map(|(parts, cols)| {
+            .map(|(parts, cols, full_cols)| {
                 let slot = Slot {
                     parts,
-                    cols,
+                    cols: cols.len(),
+                    col0: cols.start,
+                    full_cols,
                     offset_bytes: bytes,
                 };
                 bytes += (slot.elems() * 2).next_multiple_of(ALIGN_BYTES);
@@ -117,6 +179,7 @@ impl WeightLayout {
             bytes,
             tied: c.tie_word_embeddings,
             qkv_bias: c.qkv_bias,
+            vocab_row0: vocab.start,
         }
     }
 
@@ -156,48 +219,66 @@ pub struct GpuWeights {
 }
 
 impl GpuWeights {
-    /// Allocates the weights and copies them from a checkpoint.
-    pub fn load(device: &Arc<Device>, config: &ModelConfig, checkpoint: &Weights) -> Result<Self> {
-        let weights = Self::alloc(device, config)?;
+    /// Allocates rank `shard`'s weights and copies them from a checkpoint.
+    pub fn load(
+        device: &Arc<Device>,
+        config: &ModelConfig,
+        shard: Shard,
+        checkpoint: &Weights,
+    ) -> Result<Self> {
+        let weights = Self::alloc(device, config, shard)?;
         let base = weights.memory.ptr::<u8>();
-        let mut staging = Vec::new();
+        let (mut staging, mut window) = (Vec::new(), Vec::new());
         for slot in &weights.layout.slots {
             let mut at = base.offset(slot.offset_bytes);
-            for (name, rows) in &slot.parts {
-                let shape: &[usize] = if slot.cols == 1 {
-                    &[*rows]
+            for part in &slot.parts {
+                let shape: &[usize] = if slot.full_cols == 1 {
+                    &[part.tensor_rows]
                 } else {
-                    &[*rows, slot.cols]
+                    &[part.tensor_rows, slot.full_cols]
                 };
-                let bytes = bf16_bytes(checkpoint, name, shape, &mut staging)?;
-                device.upload(bytes, at)?;
-                at = at.offset(bytes.len());
+                let bytes = bf16_bytes(checkpoint, &part.name, shape, &mut staging)?;
+                let held = held_bytes(bytes, part, slot, &mut window);
+                device.upload(held, at)?;
+                at = at.offset(held.len());
             }
         }
         device.synchronize()?;
         Ok(weights)
     }
 
-    /// Allocates the weights and draws them on the device from `seed`.
+    /// Allocates rank `shard`'s weights and draws them on the device from `seed`: each value
+    /// is the one a single device would draw at its place in the whole model.
     pub fn random(
         device: &Arc<Device>,
         kernels: &Kernels,
         config: &ModelConfig,
+        shard: Shard,
         seed: u64,
     ) -> Result<Self> {
-        let weights = Self::alloc(device, config)?;
+        let weights = Self::alloc(device, config, shard)?;
         let base = weights.memory.ptr::<u8>();
         for (i, slot) in weights.layout.slots.iter().enumerate() {
             let tensor_seed = seed ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            let at = base.offset(slot.offset_bytes).cast();
-            kernels.fill_uniform(at, slot.elems(), tensor_seed, slot.random_range())?;
+            let mut at = base.offset(slot.offset_bytes).cast::<bf16>();
+            for part in &slot.parts {
+                let window = Window {
+                    rows: part.rows,
+                    cols: slot.cols,
+                    row0: part.fused_row0 + part.row0,
+                    col0: slot.col0,
+                    full_cols: slot.full_cols,
+                };
+                kernels.fill_uniform_window(at, window, tensor_seed, slot.random_range())?;
+                at = at.offset(part.rows * slot.cols);
+            }
         }
         device.synchronize()?;
         Ok(weights)
     }
 
-    fn alloc(device: &Arc<Device>, config: &ModelConfig) -> Result<Self> {
-        let layout = WeightLayout::new(config);
+    fn alloc(device: &Arc<Device>, config: &ModelConfig, shard: Shard) -> Result<Self> {
+        let layout = WeightLayout::new(config, shard);
         let memory = DeviceBuffer::alloc(device, layout.bytes(), "the weights")?;
         let inv_freq = DeviceBuffer::alloc(device, config.head_dim / 2 * 4, "rope frequencies")?;
         device.upload(&config.rope_inv_freq(), inv_freq.ptr())?;
@@ -227,10 +308,12 @@ impl GpuWeights {
         self.at(&self.layout.slots[index])
     }
 
-    /// `[vocab, hidden]`: the embedding table when the model ties them.
+    /// `[vocab / world, hidden]`, this rank's rows of the vocabulary projection: of the embedding
+    /// table when the model ties them.
     pub fn lm_head(&self) -> DPtr<bf16> {
         if self.layout.tied {
-            self.embed()
+            let hidden = self.layout.slots[0].cols;
+            self.embed().offset(self.layout.vocab_row0 * hidden)
         } else {
             self.at(self.layout.slots.last().expect("a model has tensors"))
         }
@@ -256,6 +339,21 @@ impl GpuWeights {
             },
         }
     }
+}
+
+/// The bytes of `part`'s rows and `slot`'s columns in a tensor's bf16 `bytes`: a slice where
+/// the slot holds whole rows, else gathered into `window`.
+fn held_bytes<'a>(bytes: &'a [u8], part: &Part, slot: &Slot, window: &'a mut Vec<u8>) -> &'a [u8] {
+    let row_bytes = slot.full_cols * 2;
+    if slot.cols == slot.full_cols {
+        return &bytes[part.row0 * row_bytes..(part.row0 + part.rows) * row_bytes];
+    }
+    window.clear();
+    for r in part.row0..part.row0 + part.rows {
+        let start = r * row_bytes + slot.col0 * 2;
+        window.extend_from_slice(&bytes[start..start + slot.cols * 2]);
+    }
+    window
 }
 
 /// The bf16 bytes of a checkpoint tensor: its own bytes when stored in bf16, else converted
@@ -286,4 +384,103 @@ fn bf16_bytes<'a>(
     staging.clear();
     DType::BF16.encode_into(&values, staging);
     Ok(staging)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> ModelConfig {
+        let json = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 32, "max_position_embeddings": 128,
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": false}"#;
+        ModelConfig::from_json(json, std::path::Path::new("config.json")).unwrap()
+    }
+
+    /// A tensor of `rows` × `cols` bf16 whose element (r, c) holds the value r·cols + c.
+    fn numbered(rows: usize, cols: usize) -> Vec<u8> {
+        (0..rows * cols)
+            .flat_map(|i| (i as u16).to_le_bytes())
+            .collect()
+    }
+
+    fn values(bytes: &[u8]) -> Vec<u16> {
+        bytes
+            .chunks(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect()
+    }
+
+    /// Every element each rank's slots hold, as the numbered checkpoint tensors give them.
+    fn held(c: &ModelConfig, shard: Shard) -> Vec<Vec<u16>> {
+        let layout = WeightLayout::new(c, shard);
+        let mut window = Vec::new();
+        layout
+            .slots
+            .iter()
+            .map(|slot| {
+                let mut out = Vec::new();
+                for part in &slot.parts {
+                    let bytes = numbered(part.tensor_rows, slot.full_cols);
+                    out.extend(values(held_bytes(&bytes, part, slot, &mut window)));
+                }
+                out
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_ranks_shards_put_together_are_the_whole_tensors() {
+        let c = config();
+        let whole = held(&c, Shard::WHOLE);
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| held(&c, Shard { rank, world: 2 }))
+            .collect();
+        let (q, kv, h, f) = (c.q_dim(), c.kv_dim(), c.hidden_size, c.intermediate_size);
+        // Slots: embed, attn norm, qkv, o, mlp norm, gate/up, down, final norm, lm head.
+        assert_eq!(whole.len(), 9);
+        for (i, (a, b)) in ranks[0].iter().zip(&ranks[1]).enumerate() {
+            let joined: Vec<u16> = match i {
+                // Replicated: the embedding and the norms.
+                0 | 1 | 4 | 7 => {
+                    assert_eq!(a, b, "slot {i} is the same on every rank");
+                    a.clone()
+                }
+                // qkv rows: [q0 k0 v0] and [q1 k1 v1] make [q0 q1 k0 k1 v0 v1].
+                2 => {
+                    let (qh, kh) = (q / 2 * h, kv / 2 * h);
+                    [
+                        &a[..qh],
+                        &b[..qh],
+                        &a[qh..qh + kh],
+                        &b[qh..qh + kh],
+                        &a[qh + kh..],
+                        &b[qh + kh..],
+                    ]
+                    .concat()
+                }
+                // Columns: each row is rank 0's half then rank 1's.
+                3 | 6 => {
+                    let half = a.len() / h;
+                    (0..h)
+                        .flat_map(|r| {
+                            [&a[r * half..(r + 1) * half], &b[r * half..(r + 1) * half]].concat()
+                        })
+                        .collect()
+                }
+                // gate/up rows: [g0 u0] and [g1 u1] make [g0 g1 u0 u1].
+                5 => {
+                    let g = f / 2 * h;
+                    [&a[..g], &b[..g], &a[g..], &b[g..]].concat()
+                }
+                // The vocabulary projection's rows.
+                8 => [a.as_slice(), b.as_slice()].concat(),
+                _ => unreachable!(),
+            };
+            assert_eq!(joined, whole[i], "slot {i}");
+        }
+        let bytes = |s: Shard| WeightLayout::new(&c, s).bytes();
+        assert!(bytes(Shard { rank: 0, world: 2 }) < bytes(Shard::WHOLE));
+    }
 }

@@ -4,12 +4,14 @@
 //! which a backend loads from [`Weights`] in its own layout and precision.
 
 pub mod config;
+pub mod shard;
 pub mod synthetic;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
 
 pub use config::{Architecture, ModelConfig, RopeScaling};
+pub use shard::Shard;
 pub use weights::{BlockType, Weights};
 
 use crate::chat::{ChatTemplate, special_token};
