@@ -380,6 +380,13 @@ pub trait Backend: Send {
 
     fn memory(&self) -> MemoryReport;
 
+    /// For a model split over several GPUs: how many all-reduces one step of `tokens` tokens
+    /// runs, the bytes of each, and the seconds each takes inside a CUDA graph, timed alone.
+    /// None for one device.
+    fn time_all_reduces(&mut self, _tokens: usize) -> Result<Option<(usize, usize, f64)>> {
+        Ok(None)
+    }
+
     /// What the backend planned to hold on its devices at start-up, one line block per device
     /// (a rank each where the model is split); none on the CPU.
     fn memory_plans(&self) -> Vec<String> {

@@ -112,6 +112,15 @@ pub enum BenchRow {
         /// the next: the engine's part of a fully restored prompt's first token.
         first_token: Duration,
     },
+    /// A split model's all-reduces of one decode step of `batch` rows, timed alone inside a
+    /// graph, against that step.
+    AllReduce {
+        batch: usize,
+        count: usize,
+        bytes: usize,
+        each: Duration,
+        step: Duration,
+    },
     /// A configuration the backend cannot hold.
     Skipped { what: String, reason: String },
 }
@@ -174,6 +183,24 @@ impl std::fmt::Display for BenchRow {
                 *bytes as f64 / copy.as_secs_f64() / 1e9,
                 first_token.as_secs_f64() * 1e3
             ),
+            BenchRow::AllReduce {
+                batch,
+                count,
+                bytes,
+                each,
+                step,
+            } => {
+                let all = each.as_secs_f64() * *count as f64;
+                write!(
+                    f,
+                    "allreduce batch {batch:>4}  {count} of {} KiB a step, {:.2} µs each in a \
+                     graph: {:.3} ms, {:.1}% of the step",
+                    bytes / 1024,
+                    each.as_secs_f64() * 1e6,
+                    all * 1e3,
+                    100.0 * all / step.as_secs_f64()
+                )
+            }
             BenchRow::Skipped { what, reason } => write!(f, "{what}: skipped ({reason})"),
         }
     }
@@ -216,6 +243,17 @@ pub fn run(
                 _ => None,
             };
             report(row);
+            if let Some(step) = decode_step
+                && let Some((count, bytes, each)) = backend.time_all_reduces(batch)?
+            {
+                report(BenchRow::AllReduce {
+                    batch,
+                    count,
+                    bytes,
+                    each: Duration::from_secs_f64(each),
+                    step,
+                });
+            }
             if let Some(decode_step) = decode_step
                 && spec.verify_width > 1
             {

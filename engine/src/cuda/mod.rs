@@ -401,6 +401,39 @@ impl CudaBackend {
         }
     }
 
+    /// Seconds one of `count` all-reduces of `tokens` rows of the hidden state takes, captured
+    /// in one graph and replayed `replays` times, every rank at once (rank 0's clock). The
+    /// residual stream and sublayer output they use are scratch between steps.
+    fn time_all_reduces(&mut self, tokens: usize, count: usize, replays: usize) -> Result<f64> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        let tp = self
+            .tp
+            .as_ref()
+            .ok_or_else(|| EngineError::TensorParallel("the model is not split".into()))?;
+        self.device.bind()?;
+        let elems = tokens.min(self.ws.sizes.tokens) * self.config.hidden_size;
+        let stream = self.device.stream();
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+        let recorded = (0..count).try_for_each(|_| {
+            tp.collective
+                .launch(|group| self.kernels.tp_all_reduce_add(&group, self.ws.x, elems))
+        });
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        recorded?;
+        let graph = graph?.expect("a capture that recorded launches yields a graph");
+        let launch = || tp.collective.fenced(|| Ok(graph.launch()?));
+        launch()?;
+        self.device.synchronize()?;
+        let started = std::time::Instant::now();
+        (0..replays).try_for_each(|_| launch())?;
+        self.device.synchronize()?;
+        let each = started.elapsed().as_secs_f64() / (replays * count) as f64;
+        match tp.collective.timeout(&self.device)? {
+            Some(timeout) => Err(EngineError::TensorParallel(timeout)),
+            None => Ok(each),
+        }
+    }
+
     /// Whether this backend's results are the step's: the whole model, or rank 0 of a split
     /// one (which gathers the logits). The other ranks only keep their part of the exchanges.
     fn leads(&self) -> bool {

@@ -546,6 +546,22 @@ impl Backend for TensorParallel {
         self.plans.clone()
     }
 
+    /// Two all-reduces a layer, 64 graphs' worth of replays.
+    fn time_all_reduces(&mut self, tokens: usize) -> Result<Option<(usize, usize, f64)>> {
+        let count = 2 * self.lead.config.num_layers;
+        let bytes = tokens * self.lead.config.hidden_size * 2;
+        let timed = self.on_all(move |b| b.time_all_reduces(tokens, count, 64));
+        match timed {
+            Ok((each, _)) => Ok(Some((count, bytes, each))),
+            Err(e) => {
+                if let Err(reset) = self.reset_exchanges() {
+                    tracing::error!("resetting the ranks' exchanges after timing them: {reset}");
+                }
+                Err(e)
+            }
+        }
+    }
+
     /// Rank 0's: every rank holds as much, give or take the vocabulary slice.
     fn memory(&self) -> MemoryReport {
         self.lead.memory()
