@@ -289,3 +289,39 @@ fn an_overload_with_disconnects_leaves_the_server_idle() {
     assert!(server.is_idle());
     server.stop_gracefully();
 }
+
+/// Tensor parallelism asked of a server that cannot have it: refused before it serves, with
+/// the reason, and a non-zero exit.
+#[test]
+fn a_split_model_the_server_cannot_run_is_refused_with_the_reason() {
+    let model = smollm2();
+    let refused = |args: &[&str], config: Option<&str>| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_snapserve"));
+        command
+            .args(["serve", "--port", "0", "--model"])
+            .arg(&model)
+            .args(args);
+        if let Some(config) = config {
+            let path = dir.path().join("split.toml");
+            std::fs::write(&path, config).unwrap();
+            command.arg("--config").arg(path);
+        }
+        let output = command.output().unwrap();
+        assert!(!output.status.success(), "{args:?} was served");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    let cpu = refused(&["--backend", "cpu", "--tensor-parallel", "2"], None);
+    assert!(cpu.contains("needs the CUDA backend"), "{cpu}");
+    let many = refused(&["--tensor-parallel", "9"], None);
+    assert!(many.contains("--tensor-parallel"), "{many}");
+    let disk = "[engine]\ntensor_parallel = 2\n[snapshots]\ndisk_dir = \"/tmp/x\"\n\
+                disk_budget_bytes = 1000000\n";
+    let disk = refused(&["--backend", "cpu"], Some(disk));
+    assert!(disk.contains("snapshots.disk_dir"), "{disk}");
+    let devices = refused(
+        &["--tensor-parallel", "2"],
+        Some("[engine]\ndevices = [0, 1, 2]\n"),
+    );
+    assert!(devices.contains("devices"), "{devices}");
+}

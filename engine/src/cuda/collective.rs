@@ -44,6 +44,7 @@ const FENCE_TIMEOUT: Duration = Duration::from_secs(10);
 /// its own exchanges meet their peers'.
 pub struct HostFence {
     world: usize,
+    timeout: Duration,
     state: Mutex<FenceState>,
     turned: Condvar,
 }
@@ -58,14 +59,20 @@ struct FenceState {
 
 impl HostFence {
     pub fn new(world: usize) -> Arc<Self> {
+        Self::with_timeout(world, FENCE_TIMEOUT)
+    }
+
+    /// A fence whose waits give up after `timeout`.
+    pub fn with_timeout(world: usize, timeout: Duration) -> Arc<Self> {
         Arc::new(HostFence {
             world,
+            timeout,
             state: Mutex::new(FenceState::default()),
             turned: Condvar::new(),
         })
     }
 
-    /// Waits until every rank has arrived; fails after [`FENCE_TIMEOUT`] (a rank that failed
+    /// Waits until every rank has arrived; fails after the fence's timeout (a rank that failed
     /// before arriving), leaving the fence broken for the others.
     pub fn wait(&self) -> Result<()> {
         let broken = || EngineError::TensorParallel("a rank did not reach an exchange".into());
@@ -86,7 +93,7 @@ impl HostFence {
         let generation = state.generation;
         let (mut state, _) = self
             .turned
-            .wait_timeout_while(state, FENCE_TIMEOUT, |s| {
+            .wait_timeout_while(state, self.timeout, |s| {
                 s.generation == generation && !s.broken
             })
             .expect("no panics while holding the fence");
@@ -241,5 +248,54 @@ impl Collective {
             rank: self.shard.rank,
             world: self.shard.world,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::thread;
+
+    use super::*;
+
+    #[test]
+    fn a_fence_lets_every_rank_through_each_round_together() {
+        let fence = HostFence::new(3);
+        let passed = Arc::new(Mutex::new(Vec::new()));
+        let threads: Vec<_> = (0..3)
+            .map(|rank| {
+                let (fence, passed) = (fence.clone(), passed.clone());
+                thread::spawn(move || {
+                    for round in 0..100 {
+                        fence.wait().unwrap();
+                        passed.lock().unwrap().push((round, rank));
+                        fence.wait().unwrap();
+                    }
+                })
+            })
+            .collect();
+        threads.into_iter().for_each(|t| t.join().unwrap());
+        let passed = passed.lock().unwrap();
+        assert_eq!(passed.len(), 300);
+        // No rank starts a round before every rank has finished the one before.
+        for (i, (round, _)) in passed.iter().enumerate() {
+            assert_eq!(*round, i / 3, "{passed:?}");
+        }
+    }
+
+    #[test]
+    fn a_rank_that_never_arrives_breaks_the_fence_until_it_is_reset() {
+        let fence = HostFence::with_timeout(2, Duration::from_millis(50));
+        assert!(fence.wait().is_err(), "the other rank never came");
+        // Broken for everyone, at once, until reset.
+        let started = std::time::Instant::now();
+        assert!(fence.wait().is_err());
+        assert!(started.elapsed() < Duration::from_millis(40));
+        fence.reset();
+        let other = {
+            let fence = fence.clone();
+            thread::spawn(move || fence.wait())
+        };
+        fence.wait().unwrap();
+        other.join().unwrap().unwrap();
     }
 }
