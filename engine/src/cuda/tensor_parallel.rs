@@ -64,8 +64,7 @@ struct Follower {
 pub struct TensorParallel {
     lead: CudaBackend,
     followers: Vec<Follower>,
-    /// Snapshot copies some ranks reported finished: how many, and the first failure.
-    copies: HashMap<BackingId, (usize, Result<(), String>)>,
+    copies: CopyTally,
     /// Every rank's memory plan.
     plans: Vec<String>,
 }
@@ -164,7 +163,10 @@ impl TensorParallel {
         Ok(TensorParallel {
             lead,
             followers,
-            copies: HashMap::new(),
+            copies: CopyTally {
+                world: shards.len(),
+                pending: HashMap::new(),
+            },
             plans,
         })
     }
@@ -311,6 +313,52 @@ impl TensorParallel {
             ))),
         }
     }
+}
+
+/// Snapshot copies (demotions, promotions) some ranks have reported finished.
+struct CopyTally {
+    world: usize,
+    /// How many ranks reported each, and the first failure.
+    pending: HashMap<BackingId, (usize, Result<(), String>)>,
+}
+
+impl CopyTally {
+    /// Takes one poll's reports from every rank; returns the copies every rank has now
+    /// finished, failed where any rank's failed.
+    fn add(
+        &mut self,
+        reports: impl IntoIterator<Item = (BackingId, Result<(), String>)>,
+    ) -> Vec<(BackingId, Result<(), String>)> {
+        let mut done = Vec::new();
+        for (id, result) in reports {
+            let entry = self.pending.entry(id).or_insert((0, Ok(())));
+            entry.0 += 1;
+            if entry.1.is_ok() {
+                entry.1 = result;
+            }
+            if entry.0 == self.world {
+                let (_, result) = self.pending.remove(&id).expect("just counted");
+                done.push((id, result));
+            }
+        }
+        done
+    }
+}
+
+/// The verdicts of the restores queued since the last call, one list per rank: a restore is
+/// sound only where every rank's copy checked out.
+fn every_rank_agrees(mut lead: Vec<bool>, followed: Vec<Vec<bool>>) -> Result<Vec<bool>> {
+    for (rank, theirs) in (1..).zip(followed) {
+        if theirs.len() != lead.len() {
+            return Err(EngineError::TensorParallel(format!(
+                "rank {rank} has {} restore verdicts, rank 0 {}",
+                theirs.len(),
+                lead.len()
+            )));
+        }
+        lead.iter_mut().zip(theirs).for_each(|(v, t)| *v &= t);
+    }
+    Ok(lead)
 }
 
 fn panicked(what: &str) -> EngineError {
@@ -483,23 +531,17 @@ impl Backend for TensorParallel {
                 return Vec::new();
             }
         };
-        let world = self.world();
-        let mut done = Vec::new();
-        for (id, result) in led.into_iter().chain(followed.into_iter().flatten()) {
-            let entry = self.copies.entry(id).or_insert((0, Ok(())));
-            entry.0 += 1;
-            if entry.1.is_ok() {
-                entry.1 = result;
-            }
-            if entry.0 == world {
-                let (_, result) = self.copies.remove(&id).expect("just counted");
-                done.push((
+        let reports = led.into_iter().chain(followed.into_iter().flatten());
+        self.copies
+            .add(reports)
+            .into_iter()
+            .map(|(id, result)| {
+                (
                     id,
                     result.map_err(|e| EngineError::Backing(id.to_string(), e)),
-                ));
-            }
-        }
-        done
+                )
+            })
+            .collect()
     }
 
     fn backing_ids(&self) -> Vec<BackingId> {
@@ -508,18 +550,8 @@ impl Backend for TensorParallel {
 
     /// A restore is sound only where every rank's copy checked out.
     fn restore_verdicts(&mut self) -> Result<Vec<bool>> {
-        let (mut verdicts, followed) = self.on_all(|b| b.restore_verdicts())?;
-        for (rank, theirs) in (1..).zip(followed) {
-            if theirs.len() != verdicts.len() {
-                return Err(EngineError::TensorParallel(format!(
-                    "rank {rank} has {} restore verdicts, rank 0 {}",
-                    theirs.len(),
-                    verdicts.len()
-                )));
-            }
-            verdicts.iter_mut().zip(theirs).for_each(|(v, t)| *v &= t);
-        }
-        Ok(verdicts)
+        let (lead, followed) = self.on_all(|b| b.restore_verdicts())?;
+        every_rank_agrees(lead, followed)
     }
 
     fn backing_sums(&mut self, _backing: BackingId) -> Result<Vec<u64>> {
@@ -565,5 +597,39 @@ impl Backend for TensorParallel {
     /// Rank 0's: every rank holds as much, give or take the vocabulary slice.
     fn memory(&self) -> MemoryReport {
         self.lead.memory()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_is_done_once_every_rank_has_done_it_and_failed_if_any_failed() {
+        let mut tally = CopyTally {
+            world: 2,
+            pending: HashMap::new(),
+        };
+        let (a, b, c) = (BackingId(1), BackingId(2), BackingId(3));
+        // Rank 0 finishes a and b first; rank 1 only b, which failed there.
+        let first = tally.add([(a, Ok(())), (b, Ok(())), (b, Err("rank 1: bad".into()))]);
+        assert_eq!(first, vec![(b, Err("rank 1: bad".to_string()))]);
+        // A later poll: rank 1 finishes a, and c comes in from rank 0 alone.
+        assert_eq!(tally.add([(c, Ok(())), (a, Ok(()))]), vec![(a, Ok(()))]);
+        assert_eq!(tally.add([(c, Ok(()))]), vec![(c, Ok(()))]);
+        assert!(tally.pending.is_empty(), "each reported once");
+    }
+
+    #[test]
+    fn a_restore_is_sound_only_where_every_rank_s_copy_checked_out() {
+        let verdicts =
+            every_rank_agrees(vec![true, true, false], vec![vec![true, false, true]]).unwrap();
+        assert_eq!(verdicts, [true, false, false]);
+        assert_eq!(every_rank_agrees(vec![true], Vec::new()).unwrap(), [true]);
+        let err = every_rank_agrees(vec![true], vec![vec![true, true]]).unwrap_err();
+        assert!(
+            err.to_string().contains("rank 1 has 2 restore verdicts"),
+            "{err}"
+        );
     }
 }
