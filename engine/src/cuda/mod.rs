@@ -608,24 +608,15 @@ impl CudaBackend {
     /// it), through the decode graphs, every position picked on the device: each row's picks
     /// up to its first refusal. A sampled row draws a uniform for every position, then puts its
     /// random stream back after the picks it made, so it draws exactly what one token a step
-    /// would. `None` when a row holds more (a prompt chunk) or the rows do not fit one decode
-    /// step.
+    /// would. Only where [`CudaBackend::verify_route`] says the rows fit one decode step.
     fn verify_as_decode(
         &mut self,
         plan: &StepPlan,
         samplers: &mut [Option<&mut Sampler>],
         drafts: &[usize],
-    ) -> Result<Option<Vec<Vec<u32>>>> {
-        let shaped = plan
-            .rows
-            .iter()
-            .zip(drafts)
-            .all(|(row, &drafted)| row.tokens.len() == drafted + 1);
+    ) -> Result<Vec<Vec<u32>>> {
         let rows: usize = plan.rows.iter().map(|row| row.tokens.len()).sum();
         let max_rows = self.ws.sizes.rows.min(self.ws.sizes.logit_rows);
-        if !shaped || rows > max_rows {
-            return Ok(None);
-        }
         let positions = StepPlan {
             rows: plan
                 .rows
@@ -716,7 +707,7 @@ impl CudaBackend {
                 None => Vec::new(),
             });
         }
-        Ok(Some(picks))
+        Ok(picks)
     }
 
     /// Picks from logit rows `0..rows` on the device, with the step's sample parameters (no
@@ -926,9 +917,7 @@ impl Backend for CudaBackend {
         plan.validate(&self.info)?;
         match self.verify_route(plan, samplers, drafts) {
             VerifyRoute::Host => crate::backend::verify_on_host(self, plan, samplers, drafts),
-            VerifyRoute::AsDecode => Ok(self
-                .verify_as_decode(plan, samplers, drafts)?
-                .expect("routed only where the rows fit a decode step")),
+            VerifyRoute::AsDecode => self.verify_as_decode(plan, samplers, drafts),
             VerifyRoute::Wanted => self.verify_wanted(plan, samplers, drafts),
         }
     }
@@ -1047,6 +1036,7 @@ impl CudaBackend {
         if plan.rows.is_empty() || !on_device || logit_rows > max_rows {
             return VerifyRoute::Host;
         }
+        // Rows that are each a token and its draft, all fitting one decode step.
         let shaped = plan
             .rows
             .iter()
@@ -1070,6 +1060,7 @@ impl CudaBackend {
         route: VerifyRoute,
     ) -> Result<()> {
         self.device.bind()?;
+        plan.validate(&self.info)?;
         let mut none: Vec<Option<&mut Sampler>> = (0..plan.rows.len()).map(|_| None).collect();
         match route {
             VerifyRoute::Host => self.step(plan).map(drop),
