@@ -96,8 +96,9 @@ impl TensorParallel {
                 devices.len()
             )));
         }
+        let shared = shares_a_device(&devices);
         let eager = std::env::var(MODULE_LOADING).is_ok_and(|v| v == "EAGER");
-        if shares_a_device(&devices) && !eager {
+        if shared && !eager {
             return Err(EngineError::TensorParallel(format!(
                 "ranks on one GPU ({devices:?}) need {MODULE_LOADING}=EAGER in the environment: \
                  loading a kernel at its first launch waits for the GPU to finish what it runs, \
@@ -112,10 +113,10 @@ impl TensorParallel {
             // A programmatic dependent's blocks sit on the GPU waiting for the kernel before
             // them; on a GPU two ranks share, one rank's waiting blocks can leave no room for
             // the other's exchange, which the kernel before them waits for.
-            programmatic_launch: options.programmatic_launch && !shares_a_device(&devices),
+            programmatic_launch: options.programmatic_launch && !shared,
             ..options.clone()
         };
-        let fence = shares_a_device(&devices).then(|| HostFence::new(shards.len()));
+        let fence = shared.then(|| HostFence::new(shards.len()));
         // Rank 0 plans the pool; every other rank holds as many pages.
         let lead = CudaBackend::build(
             model.clone(),
