@@ -7,7 +7,10 @@
 
 use std::path::{Path, PathBuf};
 
+mod common;
+
 use cache::PageId;
+use common::difference;
 use engine::backend::{Backend, LogitsWanted, RowPlan, StepPlan};
 use engine::cuda::{CudaBackend, CudaOptions};
 use engine::model::{ModelConfig, Weights};
@@ -54,17 +57,6 @@ fn fixtures() -> Vec<PathBuf> {
     dirs.sort();
     assert!(!dirs.is_empty(), "no fixtures found");
     dirs
-}
-
-fn difference(want: &[f32], got: &[f32]) -> (f32, f64) {
-    let (mut max, mut err, mut norm) = (0f32, 0f64, 0f64);
-    for (&w, &g) in want.iter().zip(got) {
-        assert!(g.is_finite());
-        max = max.max((w - g).abs());
-        err += ((w - g) as f64).powi(2);
-        norm += (w as f64).powi(2);
-    }
-    (max, (err / norm).sqrt())
 }
 
 /// snapserve's greedy continuation of the prompt, 16 tokens.

@@ -3,7 +3,10 @@
 //! further apart than the backends' difference. Run on the GPU machine with
 //! `cargo test --release -p engine --test cuda_parity -- --ignored --nocapture`.
 
+mod common;
+
 use cache::PageId;
+use common::{difference, margin};
 use engine::DType;
 use engine::backend::{Backend, LogitsWanted, RowPlan, StepOutput, StepPlan};
 use engine::cpu::{CpuBackend, CpuOptions};
@@ -77,30 +80,6 @@ fn prompt(seed: u32, n: usize) -> Vec<u32> {
 
 fn pages(first: u32, n: usize) -> Vec<PageId> {
     (0..n as u32).map(|i| PageId(first + 3 * i)).collect()
-}
-
-/// Max absolute difference and RMS difference relative to the CPU's RMS.
-fn difference(cpu: &[f32], gpu: &[f32]) -> (f32, f64) {
-    let (mut max, mut err, mut norm) = (0f32, 0f64, 0f64);
-    for (&c, &g) in cpu.iter().zip(gpu) {
-        assert!(g.is_finite(), "non-finite GPU logit");
-        max = max.max((c - g).abs());
-        err += ((c - g) as f64).powi(2);
-        norm += (c as f64).powi(2);
-    }
-    (max, (err / norm).sqrt())
-}
-
-/// The gap between the two largest logits.
-fn margin(logits: &[f32]) -> f32 {
-    let best = argmax(logits) as usize;
-    let second = logits
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| *i != best)
-        .map(|(_, l)| *l)
-        .fold(f32::NEG_INFINITY, f32::max);
-    logits[best] - second
 }
 
 #[test]

@@ -7,9 +7,12 @@
 //! `tensor_parallel::prepare_process`); `SNAPSERVE_TP_DEVICES=0,1` puts two ranks on two GPUs
 //! instead.
 
+mod common;
+
 use std::time::Instant;
 
 use cache::{BackingId, PageCopy, PageId, Tier};
+use common::{difference, margin};
 use engine::DType;
 use engine::backend::{Backend, LogitsWanted, RowPlan, StepOutput, StepPlan};
 use engine::cuda::collective::Collective;
@@ -112,30 +115,6 @@ fn prompt(seed: u32, n: usize) -> Vec<u32> {
 
 fn pages(first: u32, n: usize) -> Vec<PageId> {
     (0..n as u32).map(|i| PageId(first + 3 * i)).collect()
-}
-
-/// Max absolute difference and RMS difference relative to `want`'s RMS.
-fn difference(want: &[f32], got: &[f32]) -> (f32, f64) {
-    assert_eq!(want.len(), got.len());
-    let (mut max, mut err, mut norm) = (0f32, 0f64, 0f64);
-    for (&w, &g) in want.iter().zip(got) {
-        assert!(g.is_finite(), "non-finite logit");
-        max = max.max((w - g).abs());
-        err += ((w - g) as f64).powi(2);
-        norm += (w as f64).powi(2);
-    }
-    (max, (err / norm).sqrt())
-}
-
-fn margin(logits: &[f32]) -> f32 {
-    let best = argmax(logits) as usize;
-    let second = logits
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| *i != best)
-        .map(|(_, l)| *l)
-        .fold(f32::NEG_INFINITY, f32::max);
-    logits[best] - second
 }
 
 fn prefill_plan() -> StepPlan {
@@ -510,8 +489,6 @@ fn the_exchanges_sum_in_rank_order_and_replay_in_graphs() {
         each * 1e6
     );
 }
-
-mod common;
 
 /// One sequence over `steps` steps, each fed the token before: `feed` gives the next token
 /// from the step's last logits. Returns the fed tokens' logits rows.

@@ -186,3 +186,28 @@ pub fn run_logits(
     }
     out
 }
+
+/// Max absolute difference and RMS difference relative to `want`'s RMS; every value of `got`
+/// must be finite.
+pub fn difference(want: &[f32], got: &[f32]) -> (f32, f64) {
+    let (mut max, mut err, mut norm) = (0f32, 0f64, 0f64);
+    for (&w, &g) in want.iter().zip(got) {
+        assert!(g.is_finite(), "non-finite logit");
+        max = max.max((w - g).abs());
+        err += ((w - g) as f64).powi(2);
+        norm += (w as f64).powi(2);
+    }
+    (max, (err / norm).sqrt())
+}
+
+/// The gap between the two largest logits.
+pub fn margin(logits: &[f32]) -> f32 {
+    let best = engine::sampling::argmax(logits) as usize;
+    let second = logits
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != best)
+        .map(|(_, l)| *l)
+        .fold(f32::NEG_INFINITY, f32::max);
+    logits[best] - second
+}
