@@ -392,12 +392,19 @@ impl CudaBackend {
     /// Where an exchange gave up waiting for a peer since the last reset, if one did, and the
     /// exchanges this rank has run.
     fn exchange_state(&self) -> Result<(Option<String>, u32)> {
+        let ran = match &self.tp {
+            Some(tp) => tp.collective.exchanges(&self.device)?,
+            None => 0,
+        };
+        Ok((self.exchange_timeout()?, ran))
+    }
+
+    /// Where an exchange gave up waiting for a peer since the last reset, if one did: what
+    /// every step checks (one small download), the rest only for the error.
+    fn exchange_timeout(&self) -> Result<Option<String>> {
         match &self.tp {
-            Some(tp) => Ok((
-                tp.collective.timeout(&self.device)?,
-                tp.collective.exchanges(&self.device)?,
-            )),
-            None => Ok((None, 0)),
+            Some(tp) => tp.collective.timeout(&self.device),
+            None => Ok(None),
         }
     }
 

@@ -239,9 +239,9 @@ impl TensorParallel {
         let led = lead(&mut self.lead);
         let followed = self.collect::<()>();
         let outcome = match (led, followed) {
-            (Ok(led), Ok(_)) => match self.lead.exchange_state() {
-                Ok((None, _)) => return Ok(led),
-                Ok((Some(_), _)) => self.timeout_error(),
+            (Ok(led), Ok(_)) => match self.lead.exchange_timeout() {
+                Ok(None) => return Ok(led),
+                Ok(Some(_)) => self.timeout_error(),
                 Err(e) => e,
             },
             (Err(e), _) | (_, Err(e)) => e,
