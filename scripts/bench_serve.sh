@@ -6,7 +6,7 @@
 #   (b) 1,024 / 128, 256 requests, 64 in flight;
 #   (c) time to first token at one in flight, new prompts of 1 to 2,048 tokens;
 #   (d) a 32,000-token prompt at one in flight: cold, repeated, then repeated with 32 new
-#       tokens per request;
+#       tokens per request, then repeated generating 16 tokens;
 #   (e) (b) again with saves off (save_prompts = false) and with every prompt saved
 #       (save_after_sightings = 1): what saving costs on prompts that never repeat;
 #   (f) what agents' features cost (issue 12): 128 / 128, 512 requests, 64 in flight, plain,
@@ -126,6 +126,10 @@ for scenario in $scenarios; do
             --concurrency 1
         load "d-32k-plus-32" --prefix-tokens 32000 --suffix-tokens 32 --prefixes 1 \
             --max-tokens 1 --requests 4 --concurrency 1
+        # The same prompt again, 16 tokens each: the first from the kept logits, the rest
+        # after the restore (its second token waits for the copy and one forward pass).
+        load "d-32k-repeated-16-out" --prefix-tokens 32000 --prefixes 1 --max-tokens 16 \
+            --requests 4 --concurrency 1
         stop d
         ;;
     e)

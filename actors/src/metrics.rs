@@ -58,6 +58,14 @@ fn describe() {
             "Prompt tokens a request's other choices (n > 1) copied from its first instead of computing.",
         ),
         (
+            "snapserve_first_tokens_from_kept_logits_total",
+            "Requests whose first token came from the logits kept after their whole prompt, with no forward pass before it.",
+        ),
+        (
+            "snapserve_kept_logits_dropped_total",
+            "Rows of kept prompt logits dropped to make room for newer ones.",
+        ),
+        (
             "snapserve_context_full_backoffs_total",
             "Times a request backed off because the KV pool could not grow its sequence.",
         ),
@@ -161,6 +169,11 @@ fn describe() {
             "Byte budget of each snapshot tier.",
         ),
         (
+            "snapserve_kept_logits_bytes",
+            Unit::Bytes,
+            "Host bytes of the logits kept after whole prompts (snapshots.prompt_logits_bytes).",
+        ),
+        (
             "snapserve_snapshots",
             Unit::Count,
             "Snapshots held in each tier.",
@@ -217,6 +230,10 @@ pub async fn render(handles: &Handles, prometheus: &PrometheusHandle) -> String 
     counter!("snapserve_generation_tokens_total").absolute(scheduler.generated_tokens);
     counter!("snapserve_prefix_reused_tokens_total").absolute(scheduler.restored_tokens);
     counter!("snapserve_prefix_forked_tokens_total").absolute(scheduler.forked_tokens);
+    counter!("snapserve_first_tokens_from_kept_logits_total")
+        .absolute(scheduler.first_tokens_from_kept_logits);
+    counter!("snapserve_kept_logits_dropped_total").absolute(scheduler.kept_logits.dropped);
+    gauge!("snapserve_kept_logits_bytes").set(scheduler.kept_logits.bytes as f64);
     counter!("snapserve_context_full_backoffs_total").absolute(scheduler.backoffs);
     counter!("snapserve_preemptions_total").absolute(scheduler.preemptions);
     counter!("snapserve_scheduler_steps_total").absolute(scheduler.steps);

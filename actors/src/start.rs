@@ -150,6 +150,7 @@ pub fn build(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Parts, Se
         save_prompts: policies.snapshots.save_prompts(),
         min_save_tokens: policies.snapshots.min_save_tokens(),
         save_replies: policies.snapshots.save_replies(),
+        prompt_logits_bytes: policies.snapshots.prompt_logits_bytes(),
         save_tier: Tier::Device,
         speculative: policies.speculative.clone(),
         salt,

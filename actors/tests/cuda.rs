@@ -195,6 +195,63 @@ async fn multi_step_decoding_on_the_gpu_feeds_back_the_sampled_tokens() {
     );
 }
 
+/// A prompt repeated whole on the GPU takes its first token from the logits kept when it was
+/// saved: the same first token as the request that computed it (greedy, and seeded at
+/// temperature 1, whose uniform the device drew for the first request and the host for the
+/// repeat), and as many tokens after it.
+#[actix_rt::test]
+#[ignore = "needs a CUDA device"]
+async fn a_repeated_prompt_s_first_token_comes_from_its_kept_logits_on_the_gpu() {
+    let (_dir, files) = model();
+    let vocab = files.config.vocab_size;
+    let toml = "[snapshots]\nmin_save_tokens = 32\nsave_after_sightings = 1\n";
+    let handles = actors::start(
+        Box::new(cuda_backend(&files, 1024)),
+        serve_config(&files, policies(toml)),
+    )
+    .unwrap();
+    let seeded = SamplingParams {
+        temperature: 1.0,
+        seed: Some(11),
+        ignore_eos: true,
+        ..greedy(12)
+    };
+    let plain = SamplingParams {
+        ignore_eos: true,
+        ..greedy(12)
+    };
+    for (i, (len, params)) in [(200, &plain), (213, &plain), (181, &seeded)]
+        .into_iter()
+        .enumerate()
+    {
+        let request = GenerateRequest {
+            prompt: prompt(500 + i as u64, len, vocab),
+            params: params.clone(),
+        };
+        let cold = handles
+            .submit(request.clone())
+            .await
+            .unwrap()
+            .collect()
+            .await;
+        let before = wait_idle(&handles)
+            .await
+            .scheduler
+            .first_tokens_from_kept_logits;
+        let repeat = handles.submit(request).await.unwrap().collect().await;
+        assert!(finished(&cold) && finished(&repeat), "prompt {i}");
+        let after = wait_idle(&handles)
+            .await
+            .scheduler
+            .first_tokens_from_kept_logits;
+        assert_eq!(after, before + 1, "prompt {i} of {len} tokens");
+        assert_eq!(repeat.tokens[0], cold.tokens[0], "prompt {i}");
+        assert_eq!(repeat.tokens.len(), 12);
+    }
+    let stats = wait_idle(&handles).await;
+    assert_eq!(stats.pool.free_pages, stats.pool.total_pages);
+}
+
 /// The corruption drill on the GPU: a thousand prompt snapshots across the device, host and
 /// disk tiers, a hundred of them damaged where they lie: one byte flipped in memory, or in a
 /// file, or a file cut short. Every request over a damaged snapshot reports no cached tokens

@@ -10,6 +10,7 @@
 //! - [`ids`]: slot, generation, snapshot and backing identifiers.
 //! - [`pool`]: the working pool ([`PagePool`]).
 //! - [`prefix`]: chained page hashes ([`PrefixHasher`]).
+//! - [`logits`]: the logits after repeated whole prompts ([`PromptLogits`]).
 //! - [`store`]: the snapshot store ([`SnapshotStore`]).
 //! - [`plan`]: page copies between snapshots and the pool.
 //! - [`checksum`]: the block sums every copy of snapshot bytes is checked by.
@@ -22,6 +23,7 @@ pub mod error;
 pub mod frame;
 pub mod geometry;
 pub mod ids;
+pub mod logits;
 pub mod plan;
 pub mod pool;
 pub mod prefix;
@@ -32,6 +34,7 @@ pub use error::CacheError;
 pub use frame::{FRAME_LEN, Frame, FrameKind, payload_crc32};
 pub use geometry::{KvGeometry, PageId, SnapshotGeometry};
 pub use ids::{BackingId, Generation, SlotHandle, SlotId, SnapshotId};
+pub use logits::{PromptLogits, PromptLogitsStats};
 pub use plan::{PageClone, PageCopy, page_clones};
 pub use pool::{PagePool, PoolConfig, PoolStats};
 pub use prefix::{PrefixHash, PrefixHasher, PrefixSalt};

@@ -16,7 +16,8 @@
 //! page with the CPU's SHA instructions (2-vCPU dev VM: 2,000 pages in 310-325 µs; ~385 µs
 //! when each token was an update of its own); lookups only compare the 128-bit values. The
 //! salt's fields are tagged and length-prefixed so that a model name can
-//! never be mistaken for an adapter name.
+//! never be mistaken for an adapter name. [`PrefixHasher::whole`] keys a whole sequence, its
+//! partial page included, for what is kept per prompt rather than per page (its logits).
 
 use sha2::{Digest, Sha256};
 
@@ -97,6 +98,31 @@ impl PrefixHasher {
     }
 }
 
+impl PrefixHasher {
+    /// The key of a whole sequence, its trailing partial page included: `chain` is the chain
+    /// of its full pages ([`PrefixHasher::chain`]). No page hash equals it: a tag and the
+    /// sequence's length go in before the tail, so a page-aligned sequence's key differs from
+    /// its last page's hash, and a tail can never be mistaken for a page.
+    pub fn whole(&self, chain: &[PrefixHash], tokens: &[u32]) -> PrefixHash {
+        let full = chain.len() * self.page_tokens;
+        assert!(
+            tokens.len() >= full && tokens.len() - full < self.page_tokens,
+            "the chain covers every full page of the sequence"
+        );
+        let parent = chain.last().map_or(self.salt.0, |hash| hash.0);
+        let mut hasher = Sha256::new();
+        hasher.update(WHOLE_TAG);
+        hasher.update(parent.to_le_bytes());
+        hasher.update((tokens.len() as u64).to_le_bytes());
+        tokens[full..]
+            .iter()
+            .for_each(|t| hasher.update(t.to_le_bytes()));
+        PrefixHash(truncate(hasher))
+    }
+}
+
+const WHOLE_TAG: &[u8] = b"snapserve whole sequence v1";
+
 fn page_hash(parent: u128, page: &[u32]) -> u128 {
     const CHUNK: usize = 64;
     let mut hasher = Sha256::new();
@@ -163,12 +189,36 @@ mod tests {
     }
 
     #[test]
+    fn a_whole_sequence_s_key_covers_its_tail_and_no_page_shares_it() {
+        let h = hasher();
+        let key = |tokens: &[u32]| h.whole(&h.chain(tokens), tokens);
+        let aligned = [1, 2, 3, 4, 5, 6, 7, 8];
+        assert_ne!(key(&aligned), h.chain(&aligned)[1]);
+        assert_ne!(key(&aligned[..4]), h.chain(&aligned)[0]);
+        assert_eq!(key(&[1, 2, 3, 4, 5]), key(&[1, 2, 3, 4, 5]));
+        assert_ne!(key(&[1, 2, 3, 4, 5]), key(&[1, 2, 3, 4, 6]));
+        assert_ne!(
+            key(&[1, 2, 3, 4, 5]),
+            key(&[9, 2, 3, 4, 5]),
+            "the pages count"
+        );
+        assert_ne!(
+            key(&[1, 2, 3, 4, 0]),
+            key(&[1, 2, 3, 4]),
+            "so does the length"
+        );
+        assert_ne!(key(&[1]), key(&[]));
+        let other = PrefixHasher::new(PrefixSalt::new("other", None), 4);
+        assert_ne!(key(&[1, 2]), other.whole(&[], &[1, 2]));
+    }
+
+    #[test]
     fn the_chain_is_stable_across_builds() {
         // Chains travel in frames to disk and to peers, so the function must never drift.
         let h = PrefixHasher::new(PrefixSalt::new("m", None), 2);
         assert_eq!(h.chain(&[1, 2]), vec![PrefixHash(STABLE_FIRST_PAGE)]);
         // Pages longer than the function's buffer hash their tokens' bytes all the same.
-        let tokens: Vec<u32> = (0..300).map(|i| i * 2_654_435_761u32).collect();
+        let tokens: Vec<u32> = (0..300u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
         let salt = PrefixSalt::new("m", None);
         for page_tokens in [16, 64, 150] {
             let chain = PrefixHasher::new(salt, page_tokens).chain(&tokens);

@@ -278,6 +278,10 @@ pub struct Sampler {
     logprobs: Vec<TokenLogprobs>,
     /// Why the constraint failed; the request ends with this error.
     failure: Option<String>,
+    /// Keep a copy of the next pick's logits as they came from the model
+    /// ([`Sampler::keep_next_logits`]), and the copy once made.
+    keep_next: bool,
+    kept: Option<Vec<f32>>,
 }
 
 impl Sampler {
@@ -302,7 +306,26 @@ impl Sampler {
             constraint: params.constraint.as_ref().map(ConstraintSource::start),
             logprobs: Vec::new(),
             failure: None,
+            keep_next: false,
+            kept: None,
         }
+    }
+
+    /// Asks for a copy of the logits the next pick is made from, as the model gave them
+    /// (before biases, penalties and the grammar): the logits after a prompt, kept so that a
+    /// repeat of the prompt takes its first token without a forward pass. The next pick is
+    /// then made on the host ([`Sampler::needs_host`]), where the row is whole, and so is
+    /// every pick until [`Sampler::take_kept_logits`].
+    pub fn keep_next_logits(&mut self) {
+        self.keep_next = true;
+        self.kept = None;
+    }
+
+    /// The copy [`Sampler::keep_next_logits`] asked for, if a pick was made since: the logits
+    /// of the first pick after the request. Picks go back to the device after this.
+    pub fn take_kept_logits(&mut self) -> Option<Vec<f32>> {
+        self.keep_next = false;
+        self.kept.take()
     }
 
     /// The same sampler with its output held to `constraint`.
@@ -318,7 +341,8 @@ impl Sampler {
     /// bitmask (those that do are masked on the device: [`Sampler::device_mask`]).
     pub fn needs_host(&self) -> bool {
         let p = &self.params;
-        p.repetition_penalty != 1.0
+        self.keep_next
+            || p.repetition_penalty != 1.0
             || p.presence_penalty != 0.0
             || p.frequency_penalty != 0.0
             || !p.logit_bias.is_empty()
@@ -392,6 +416,9 @@ impl Sampler {
     /// Panics on an empty row: the backend always returns one logit per vocabulary entry.
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
         assert!(!logits.is_empty(), "sampling needs at least one logit");
+        if self.keep_next && self.kept.is_none() {
+            self.kept = Some(logits.to_vec());
+        }
         self.apply_penalties(logits);
         let scored = self.params.logprobs.map(|top| scores(logits, top));
         self.apply_constraint(logits);
@@ -1113,6 +1140,38 @@ mod tests {
         let mut sampler = Sampler::new(&penalised, &[]);
         sampler.accept(0);
         assert_eq!(sampler.sample(&mut [1.5, 1.0]), 1);
+    }
+
+    #[test]
+    fn kept_logits_are_the_first_pick_s_as_the_model_gave_them() {
+        let biased = SamplingParams {
+            logit_bias: vec![(0, 10.0)],
+            ..params(0.0)
+        };
+        let mut sampler = Sampler::new(&biased, &[]);
+        let mut greedy = Sampler::new(&params(0.0), &[]);
+        assert!(!greedy.needs_host());
+        greedy.keep_next_logits();
+        assert!(
+            greedy.needs_host(),
+            "a kept pick is made where the row is whole"
+        );
+        assert_eq!(greedy.sample(&mut [0.5, 2.0, 1.0]), 1);
+        assert_eq!(greedy.sample(&mut [3.0, 2.0, 1.0]), 0);
+        assert_eq!(greedy.take_kept_logits(), Some(vec![0.5, 2.0, 1.0]));
+        assert!(!greedy.needs_host());
+        assert_eq!(greedy.take_kept_logits(), None);
+        sampler.keep_next_logits();
+        assert_eq!(
+            sampler.sample(&mut [0.5, 2.0, 1.0]),
+            0,
+            "the bias applies to the pick"
+        );
+        assert_eq!(
+            sampler.take_kept_logits(),
+            Some(vec![0.5, 2.0, 1.0]),
+            "but not to the copy"
+        );
     }
 
     #[test]

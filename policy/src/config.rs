@@ -243,7 +243,16 @@ pub struct SnapshotConfig {
     /// On a clean shutdown, write every snapshot still in memory to the disk tier (most
     /// recently used first, as many as its budget holds), within the shutdown grace.
     pub flush_to_disk_on_shutdown: bool,
+    /// Host bytes for the logits after whole prompts that were saved or restored (4 bytes a
+    /// vocabulary entry each, least recently used dropped first): a request that repeats such
+    /// a prompt takes its first token from them when its full pages restore, with no forward
+    /// pass before it. 0 keeps none.
+    pub prompt_logits_bytes: u64,
 }
+
+/// The default `snapshots.prompt_logits_bytes`: 256 MiB, the logits of ~500 prompts of a
+/// 128k vocabulary.
+pub const DEFAULT_PROMPT_LOGITS_BYTES: u64 = 256 << 20;
 
 /// The default `snapshots.save_after_sightings` on a GPU (BENCHMARKS.md says why).
 pub const DEFAULT_SAVE_AFTER_SIGHTINGS_GPU: u32 = 2;
@@ -342,6 +351,7 @@ impl Default for SnapshotConfig {
             disk_budget_bytes: 0,
             demote_to_disk: true,
             flush_to_disk_on_shutdown: true,
+            prompt_logits_bytes: DEFAULT_PROMPT_LOGITS_BYTES,
         }
     }
 }
@@ -435,9 +445,18 @@ pub struct SnapshotPolicy {
     disk_budget_bytes: u64,
     demote_to_disk: bool,
     flush_to_disk_on_shutdown: bool,
+    prompt_logits_bytes: u64,
 }
 
 impl SnapshotPolicy {
+    /// Host bytes for the logits after repeated prompts (0 without prompt saves).
+    pub fn prompt_logits_bytes(&self) -> u64 {
+        if self.save_prompts {
+            self.prompt_logits_bytes
+        } else {
+            0
+        }
+    }
     /// The disk tier's directory, if there is a disk tier.
     pub fn disk_dir(&self) -> Option<&std::path::Path> {
         self.disk_dir.as_deref()
@@ -730,6 +749,7 @@ impl SnapshotConfig {
             disk_budget_bytes: self.disk_budget_bytes,
             demote_to_disk: self.demote_to_disk,
             flush_to_disk_on_shutdown: self.flush_to_disk_on_shutdown,
+            prompt_logits_bytes: self.prompt_logits_bytes,
         })
     }
 }

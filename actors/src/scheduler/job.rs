@@ -5,6 +5,7 @@
 //! `tokens[computed..]`; when it reaches the end, the backend samples the next token. A decode
 //! step is the case where one token is pending.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use cache::{PageId, PrefixHash, PrefixHasher, SlotHandle, SnapshotId};
@@ -72,6 +73,12 @@ pub(crate) struct Job {
     pub usage: Usage,
     /// How often its drafted tokens were kept (speculative decoding), which sizes its drafts.
     pub acceptance: policy::Acceptance,
+    /// Admitted with its full pages restoring and the logits after its whole prompt kept:
+    /// its first token is picked from them, before any forward pass.
+    pub first_logits: Option<Arc<[f32]>>,
+    /// The key under which the logits of its pick after the prompt are kept, when this step
+    /// makes that pick and its prompt is saved or restored whole.
+    pub keep_logits_as: Option<PrefixHash>,
 }
 
 impl Job {
@@ -115,6 +122,8 @@ impl Job {
             submitted_at,
             usage,
             acceptance: policy::Acceptance::default(),
+            first_logits: None,
+            keep_logits_as: None,
         }
     }
 
@@ -156,6 +165,13 @@ impl Job {
             );
         }
         &self.chain[..pages]
+    }
+
+    /// The key of its whole prompt ([`PrefixHasher::whole`]).
+    pub fn prompt_key(&mut self, hasher: &PrefixHasher) -> PrefixHash {
+        let pages = self.prompt_len / hasher.page_tokens();
+        self.chain(hasher, pages);
+        hasher.whole(&self.chain[..pages], &self.tokens[..self.prompt_len])
     }
 
     /// Sends the caller the tokens of one step, in one channel operation, with their

@@ -63,6 +63,9 @@ pub struct SchedulerConfig {
     pub min_save_tokens: usize,
     /// Save a finished request's prompt and reply when its prompt was saved or restored.
     pub save_replies: bool,
+    /// Host bytes for the logits after whole prompts that were saved or restored
+    /// (`snapshots.prompt_logits_bytes`).
+    pub prompt_logits_bytes: u64,
     pub save_tier: Tier,
     /// Speculative decoding: drafts by prompt lookup, verified in the steps.
     pub speculative: policy::SpeculativeConfig,
@@ -107,6 +110,11 @@ pub struct SchedulerStats {
     pub drafted_tokens: u64,
     pub accepted_tokens: u64,
     pub verified: [u64; policy::MAX_VERIFY_WIDTH],
+    /// Requests whose first token came from the logits kept after their prompt
+    /// ([`cache::PromptLogits`]): no forward pass ran before it.
+    pub first_tokens_from_kept_logits: u64,
+    /// The kept logits: rows kept and dropped for room since the start, and held now.
+    pub kept_logits: cache::PromptLogitsStats,
     pub queued: usize,
     pub running: usize,
 }
@@ -149,6 +157,8 @@ pub struct Scheduler {
     /// The last engine step queued saves, which the next one's forward waits behind.
     saved_last_step: bool,
     hasher: PrefixHasher,
+    /// The logits after whole prompts saved or restored, for their repeats' first tokens.
+    prompt_logits: cache::PromptLogits,
     rng: ChaCha8Rng,
     next_id: u64,
     queue: VecDeque<Job>,
@@ -193,6 +203,7 @@ impl Scheduler {
             verify_time: StepTimeModel::new(),
             saved_last_step: false,
             hasher: PrefixHasher::new(config.salt, config.page_tokens),
+            prompt_logits: cache::PromptLogits::new(config.prompt_logits_bytes),
             rng: ChaCha8Rng::seed_from_u64(config.seed),
             next_id: 0,
             queue: VecDeque::new(),
@@ -222,6 +233,7 @@ impl Scheduler {
             queued: self.queue.len(),
             // Finished jobs saving their reply are no longer requests in flight.
             running: self.running.iter().filter(|j| !j.closing).count(),
+            kept_logits: self.prompt_logits.stats(),
             ..self.stats
         }
     }

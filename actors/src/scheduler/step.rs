@@ -5,6 +5,7 @@
 //! indices a draft holds stay valid in between.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cache::{
@@ -150,6 +151,8 @@ pub(super) struct Draft {
     failing: Vec<(usize, ServeError)>,
     /// Finished jobs whose reply save is over (made or not): released this step.
     closed: Vec<usize>,
+    /// Jobs that ended on the first token picked from kept logits, at their admission.
+    first_ends: Vec<(usize, End)>,
     restores: Vec<(usize, SnapshotId)>,
     saves: Vec<(usize, SaveKind, SaveReservation)>,
     /// Buffers the last step's follow-ups gave up (corrupt snapshots): freed by this step.
@@ -605,10 +608,13 @@ impl Scheduler {
         }
         for (c, (job, hit, first)) in draft.candidates.iter_mut().enumerate() {
             let found = *hit;
+            job.first_logits = found.and_then(|h| self.kept_first_logits(job, h));
             // The new slot comes with the restored prefix and the first chunk after it, which
-            // runs in this step: a short request's first token needs no step of its own.
+            // runs in this step: a short request's first token needs no step of its own. (With
+            // kept logits, the chunk is the prompt's partial page and its first token.)
             let restored = found.map_or(0, |h| h.tokens);
-            *first = (job.tokens.len() - resume_at(job, restored)).min(draft.prefill_left);
+            let pending = job.tokens.len() + job.first_logits.is_some() as usize;
+            *first = (pending - resume_at(job, restored)).min(draft.prefill_left);
             draft.prefill_left -= *first;
             let initial_tokens = initial_tokens(job, restored, *first);
             ops.push(PoolOp::Admit {
@@ -801,6 +807,17 @@ impl Scheduler {
         draft: &mut Draft,
         ops: &mut Vec<StoreOp>,
     ) {
+        let (mut hit, mut first) = (hit, first);
+        if let Some(logits) = job.first_logits.take() {
+            self.stats.first_tokens_from_kept_logits += 1;
+            if let Some(end) = self.first_token_from(&mut job, &logits) {
+                // Done before computing anything: its pages are never written, so nothing
+                // restores into them and nothing saves from them.
+                job.usage.cached_tokens = job.prompt_len;
+                (hit, first) = (None, 0);
+                draft.first_ends.push((self.running.len(), end));
+            }
+        }
         if let Some(hit) = hit {
             job.computed = resume_at(&job, hit.tokens);
             job.restoring = Some(hit.snapshot);
@@ -823,6 +840,45 @@ impl Scheduler {
         job.slot = Some(slot);
         job.blocked_until = None;
         self.running.push(job);
+    }
+
+    /// The logits kept after `job`'s whole prompt, when it has generated nothing yet and `hit`
+    /// restores every full page of its prompt (from memory: a disk hit is read back first).
+    fn kept_first_logits(&mut self, job: &mut Job, hit: LookupHit) -> Option<Arc<[f32]>> {
+        let pt = self.config.page_tokens;
+        let whole_pages = job.prompt_len / pt;
+        if job.generated() > 0 || whole_pages == 0 || hit.tokens != whole_pages * pt {
+            return None;
+        }
+        if hit.tier == Tier::Disk {
+            return None;
+        }
+        let key = job.prompt_key(&self.hasher);
+        self.prompt_logits.get(&key)
+    }
+
+    /// Picks a job's first token from the logits kept after its prompt, as a step would have
+    /// from the logits it computed, and sends it. The token joins its tokens uncomputed: the
+    /// prompt's partial page and it run as the job's next row. Returns how the job ends, if
+    /// this token ends it (or its grammar failed).
+    fn first_token_from(&mut self, job: &mut Job, logits: &[f32]) -> Option<End> {
+        let sampler = job
+            .sampler
+            .as_mut()
+            .expect("the sampler is home between steps");
+        let token = sampler.sample(&mut logits.to_vec());
+        let logprobs = sampler.take_logprobs();
+        if let Some(failure) = sampler.failure() {
+            return Some(End::Failed(ServeError::Grammar(failure.to_owned())));
+        }
+        sampler.accept(token);
+        let params = sampler.params();
+        let eos = &self.config.eos_token_ids;
+        let reason = engine::stop::finish_after(params, eos, token, 1, job.max_new);
+        job.tokens.push(token);
+        job.emit_tokens(&[token], logprobs);
+        self.stats.generated_tokens += 1;
+        reason.map(End::Finished)
     }
 
     /// A choice that got a slot to fork into: the copy of its first choice's prompt KV but
@@ -950,15 +1006,23 @@ impl Scheduler {
                 (true, _) => LogitsWanted::All,
             };
             step.plan.rows.push(plan_row);
-            step.samplers.push(if sample {
-                Some(
-                    job.sampler
-                        .take()
-                        .expect("the sampler is home between steps"),
-                )
-            } else {
-                None
+            let mut sampler = sample.then(|| {
+                job.sampler
+                    .take()
+                    .expect("the sampler is home between steps")
             });
+            if let Some(sampler) = sampler.as_mut()
+                && job.generated() == 0
+                && self.prompt_logits.keeps(self.config.vocab_size)
+                && prompt_whole_in_store(job, row.job, &draft.saves, self.config.page_tokens)
+            {
+                let key = job.prompt_key(&self.hasher);
+                if !self.prompt_logits.contains(&key) {
+                    job.keep_logits_as = Some(key);
+                    sampler.keep_next_logits();
+                }
+            }
+            step.samplers.push(sampler);
             if multi_step {
                 step.row_steps.push(row.steps);
             }
@@ -1133,6 +1197,7 @@ impl Scheduler {
                 .iter()
                 .map(|(index, error)| (*index, End::Failed(error.clone()))),
         );
+        ended.append(&mut draft.first_ends);
         self.remove_ended(ended, &draft.preempting, &draft.closed, now);
         let (ready, wake_at) = self.readiness(now);
         if !did_work {
@@ -1273,6 +1338,22 @@ impl Scheduler {
         for (&r, sampler) in draft.sent_rows.iter().zip(samplers) {
             if let Some(sampler) = sampler {
                 self.running[draft.rows[r].job].sampler = Some(sampler);
+            }
+        }
+        for &r in &draft.sent_rows {
+            let index = draft.rows[r].job;
+            let job = &mut self.running[index];
+            let Some(key) = job.keep_logits_as.take() else {
+                continue;
+            };
+            let kept = job.sampler.as_mut().and_then(|s| s.take_kept_logits());
+            // Logits over KV that did not arrive (a failed or corrupt restore) are not the
+            // prompt's.
+            let trusted = forward.is_ok()
+                && !draft.recompute.contains(&index)
+                && !ended.iter().any(|(i, _)| *i == index);
+            if let Some(kept) = kept.filter(|_| trusted) {
+                self.prompt_logits.insert(key, kept.into());
             }
         }
         let sampled = match forward {
@@ -1516,14 +1597,36 @@ pub(crate) fn tier_slot(tier: Tier) -> usize {
 }
 
 /// Where a job admitted with `restored` tokens from a snapshot resumes: after them, but a
-/// snapshot covering every token still leaves the last one to run, for its logits.
+/// snapshot covering every token still leaves the last one to run, for its logits (unless
+/// they were kept: [`Job::first_logits`]).
 fn resume_at(job: &Job, restored: usize) -> usize {
+    if job.first_logits.is_some() {
+        return restored;
+    }
     restored.min(job.tokens.len() - 1)
 }
 
 /// Positions a new slot is allocated with: the restored prefix and the first chunk after it.
 fn initial_tokens(job: &Job, restored: usize, first: usize) -> usize {
     restored.max(resume_at(job, restored) + first)
+}
+
+/// Whether `job` (at `index` in `running`), about to pick after its prompt, has that whole
+/// prompt's full pages in the store: restored whole, or saved whole by this step.
+fn prompt_whole_in_store(
+    job: &Job,
+    index: usize,
+    saves: &[(usize, SaveKind, SaveReservation)],
+    page_tokens: usize,
+) -> bool {
+    let whole_pages = job.prompt_len / page_tokens;
+    whole_pages > 0
+        && (job.usage.cached_tokens == whole_pages * page_tokens
+            || saves.iter().any(|(i, kind, reservation)| {
+                *i == index
+                    && matches!(kind, SaveKind::Prompt | SaveKind::Kept)
+                    && reservation.pages() == whole_pages
+            }))
 }
 
 /// Where a choice waiting to fork stands (see [`Scheduler::fork_source`]).

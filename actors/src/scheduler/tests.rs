@@ -780,3 +780,146 @@ fn drafts_are_sized_by_what_a_drafted_token_costs() {
         tokens.len()
     );
 }
+
+/// Runs `prompt` to its end with `params`; returns its tokens, the rows of every step, and
+/// how many first tokens came from kept logits so far.
+fn run_prompt(
+    h: &mut Harness,
+    prompt: &[u32],
+    params: &SamplingParams,
+) -> (Vec<u32>, StepRows, u64) {
+    let request = GenerateRequest {
+        prompt: prompt.to_vec(),
+        params: params.clone(),
+    };
+    let mut stream = h.scheduler.submit(request).unwrap();
+    let (mut out, steps) = run_choices(h, std::slice::from_mut(&mut stream));
+    h.step();
+    (
+        out.pop().unwrap(),
+        steps,
+        h.scheduler.stats().first_tokens_from_kept_logits,
+    )
+}
+
+fn greedy_exactly(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    }
+}
+
+#[test]
+fn a_repeated_prompt_s_first_token_comes_from_its_kept_logits_before_any_forward() {
+    // 70 tokens: four whole pages restore, and the partial fifth runs with the first token.
+    let mut h = Harness::new(64, "");
+    let prompt: Vec<u32> = (0..70u32).map(|i| 3 + (i * 13) % 200).collect();
+    let (cold, cold_steps, kept) = run_prompt(&mut h, &prompt, &greedy_exactly(8));
+    assert_eq!(kept, 0);
+    assert_eq!(cold_steps[0], [(0, 70)]);
+    let stats = h.scheduler.stats().kept_logits;
+    let row_bytes = 4 * h.scheduler.config.vocab_size as u64;
+    assert_eq!(
+        (stats.rows, stats.bytes),
+        (1, row_bytes),
+        "one row of f32 logits"
+    );
+
+    let mut stream = h.submit_exactly(prompt.clone(), 8);
+    let rows = h.step();
+    assert_eq!(
+        rows,
+        [(64, 7)],
+        "the partial page and the first token, after the restore"
+    );
+    let (first, _) = tokens(&mut stream);
+    assert_eq!(
+        first,
+        cold[..2],
+        "the first token without a forward, the second from it"
+    );
+    let (mut rest, _) = run_choices(&mut h, std::slice::from_mut(&mut stream));
+    let mut repeat = first;
+    repeat.append(&mut rest[0]);
+    assert_eq!(repeat, cold);
+    assert_eq!(h.scheduler.stats().first_tokens_from_kept_logits, 1);
+    assert_eq!(h.scheduler.stats().restored_tokens, 64);
+}
+
+#[test]
+fn a_page_aligned_repeat_runs_its_first_token_as_a_decode_row() {
+    let mut h = Harness::new(64, "");
+    let prompt: Vec<u32> = (0..64u32).map(|i| 3 + (i * 17) % 200).collect();
+    let (cold, _, _) = run_prompt(&mut h, &prompt, &greedy_exactly(6));
+    let (repeat, steps, kept) = run_prompt(&mut h, &prompt, &greedy_exactly(6));
+    assert_eq!(repeat, cold);
+    assert_eq!(kept, 1);
+    assert_eq!(steps[0], [(64, 1)], "nothing of the prompt runs again");
+}
+
+#[test]
+fn a_one_token_repeat_is_answered_without_restoring_or_computing_anything() {
+    let mut h = Harness::new(64, "");
+    let prompt: Vec<u32> = (0..70u32).map(|i| 3 + (i * 19) % 200).collect();
+    let (cold, _, _) = run_prompt(&mut h, &prompt, &greedy_exactly(3));
+    let restored = h.scheduler.stats().restored_tokens;
+    let mut stream = h.submit_exactly(prompt.clone(), 1);
+    assert_eq!(h.step(), [], "no row");
+    let (out, end) = tokens(&mut stream);
+    assert_eq!(out, cold[..1]);
+    match end {
+        Some(Event::Finished { usage, .. }) => {
+            assert_eq!((usage.completion_tokens, usage.cached_tokens), (1, 70))
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        h.scheduler.stats().restored_tokens,
+        restored,
+        "nothing restored"
+    );
+    h.step();
+    assert_eq!(h.pool.stats().used_pages, 0);
+}
+
+#[test]
+fn a_seeded_repeat_draws_what_the_first_request_drew() {
+    let mut h = Harness::new(64, "");
+    let prompt: Vec<u32> = (0..75u32).map(|i| 3 + (i * 23) % 200).collect();
+    let params = SamplingParams {
+        max_tokens: 10,
+        temperature: 1.0,
+        seed: Some(5),
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let (cold, _, _) = run_prompt(&mut h, &prompt, &params);
+    let (repeat, steps, kept) = run_prompt(&mut h, &prompt, &params);
+    assert_eq!(kept, 1);
+    assert_eq!(steps[0], [(64, 12)]);
+    assert_eq!(repeat, cold);
+}
+
+#[test]
+fn kept_logits_serve_only_the_same_whole_prompt_and_only_when_enabled() {
+    let mut h = Harness::new(64, "");
+    let prompt: Vec<u32> = (0..70u32).map(|i| 3 + (i * 29) % 200).collect();
+    run_prompt(&mut h, &prompt, &greedy_exactly(2));
+    // The same whole pages, another partial page: restored, but its own first token computed.
+    let mut other = prompt.clone();
+    other[69] += 1;
+    let (_, steps, kept) = run_prompt(&mut h, &other, &greedy_exactly(2));
+    assert_eq!((kept, steps[0].clone()), (0, vec![(64, 6)]));
+    // One token more: five whole pages are not stored, so nothing is kept for it.
+    let mut longer = prompt.clone();
+    longer.push(9);
+    let (_, _, kept) = run_prompt(&mut h, &longer, &greedy_exactly(2));
+    assert_eq!(kept, 0);
+
+    let mut off = Harness::new(64, "[snapshots]\nprompt_logits_bytes = 0\n");
+    run_prompt(&mut off, &prompt, &greedy_exactly(2));
+    let (_, steps, kept) = run_prompt(&mut off, &prompt, &greedy_exactly(2));
+    assert_eq!((kept, steps[0].clone()), (0, vec![(64, 6)]));
+    assert_eq!(off.scheduler.stats().kept_logits.rows, 0);
+}

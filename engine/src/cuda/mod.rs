@@ -1185,10 +1185,24 @@ impl CudaBackend {
             .map_or(0, |last| last + 1);
         let mut host_picks = Vec::new();
         if host_rows > 0 {
-            // One download for every host row's logits, then one row per core.
+            // One download for every row up to the last host row's logits, or one per host
+            // row where they are few among many (a prompt's first pick keeping its logits in
+            // a batch of decodes), then one row per core.
             self.host_logits.resize(host_rows * vocab, 0.0);
-            self.device
-                .download(self.ws.logits, &mut self.host_logits[..host_rows * vocab])?;
+            let wanted: Vec<usize> = (0..host_rows)
+                .filter(|&r| samplers[r].as_ref().is_some_and(|s| s.needs_host()))
+                .collect();
+            if wanted.len() * 4 < host_rows {
+                for &r in &wanted {
+                    self.device.download(
+                        self.ws.logits.offset(r * vocab),
+                        &mut self.host_logits[r * vocab..(r + 1) * vocab],
+                    )?;
+                }
+            } else {
+                self.device
+                    .download(self.ws.logits, &mut self.host_logits[..host_rows * vocab])?;
+            }
             host_picks = samplers[..host_rows]
                 .par_iter_mut()
                 .zip(self.host_logits.par_chunks_mut(vocab))
