@@ -198,13 +198,23 @@ impl Forward<'_> {
     /// start of `normed`.
     pub fn run(&self, tokens: usize, mode: AttentionMode) -> Result<()> {
         let h = self.config.hidden_size;
+        // A split model's ranks each hold a slice of the vocabulary: each gathers the rows it
+        // holds (zeros for the others), and the all-reduce puts every token's row together.
+        let split = self.tp.map(|_| (self.ws.proj, self.weights.embed_rows()));
         self.kernels.embed(&Embed {
             table: self.weights.embed(),
             token_ids: self.meta.token_ids,
             residual: self.ws.x,
             tokens,
             hidden: h,
+            split,
         })?;
+        if let Some(tp) = &self.tp {
+            tp.collective.launch(|group| {
+                self.kernels
+                    .tp_all_reduce_add(&group, self.ws.x, tokens * h)
+            })?;
+        }
         let mut stream = Stream::Current;
         for layer in 0..self.config.num_layers {
             stream = self.attention_block(layer, tokens, mode, stream)?;

@@ -114,6 +114,7 @@ fn embed_gathers_rows() {
             residual: out.ptr(),
             tokens: ids.len(),
             hidden,
+            split: None,
         })
         .unwrap();
     let got = g.download(out.ptr::<f32>(), ids.len() * hidden);
@@ -122,6 +123,46 @@ fn embed_gathers_rows() {
         .flat_map(|&t| table[t as usize * hidden..(t as usize + 1) * hidden].to_vec())
         .collect();
     assert_eq!(got, want);
+}
+
+/// A rank of a split model holds vocabulary rows 100..200: the tokens it holds get their rows,
+/// the others zeros (the first and last rows held, one before and one after included), and the
+/// residual is zeroed for the all-reduce to fill.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_split_embedding_gathers_only_the_rows_its_rank_holds() {
+    let g = gpu(64);
+    let (rows, hidden) = (100..200usize, 96);
+    let table = round_bf16(&uniform(&mut rng(2), rows.len() * hidden, 2.0));
+    let ids: Vec<u32> = vec![99, 100, 150, 199, 200, 0, 299];
+    let table_d = g.upload_bf16(&table);
+    let ids_d = g.upload(&ids);
+    let residual = g.poisoned(ids.len() * hidden * 4);
+    let slice = g.poisoned(ids.len() * hidden * 2);
+    g.kernels
+        .embed(&Embed {
+            table: table_d.ptr(),
+            token_ids: ids_d.ptr(),
+            residual: residual.ptr(),
+            tokens: ids.len(),
+            hidden,
+            split: Some((slice.ptr(), rows.clone())),
+        })
+        .unwrap();
+    let got = g.download_bf16(slice.ptr(), ids.len() * hidden);
+    let want: Vec<f32> = ids
+        .iter()
+        .flat_map(|&t| match t as usize {
+            t if rows.contains(&t) => {
+                let r = t - rows.start;
+                table[r * hidden..(r + 1) * hidden].to_vec()
+            }
+            _ => vec![0.0; hidden],
+        })
+        .collect();
+    assert_eq!(got, want);
+    let zeros = g.download(residual.ptr::<f32>(), ids.len() * hidden);
+    assert!(zeros.iter().all(|&v| v == 0.0));
 }
 
 #[test]

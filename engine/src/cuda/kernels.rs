@@ -277,13 +277,18 @@ impl Kernels {
         wanted.min(self.device.multiprocessors as usize * 8) as u32
     }
 
-    /// `residual[t] = table[token_ids[t]]` for `tokens` tokens.
+    /// `residual[t] = table[token_ids[t]]` for `tokens` tokens; with a split table, this
+    /// rank's rows (or zeros) into `slice` and zeros into `residual` (see [`Embed::split`]).
     pub fn embed(&self, a: &Embed) -> Result<()> {
+        let (slice, rows) = a.split.clone().unwrap_or((DPtr::NULL, 0..0));
         let args = Args::new()
             .ptr(a.table)
             .ptr(a.token_ids)
             .ptr(a.residual)
-            .u32(a.hidden as u32);
+            .ptr(slice)
+            .u32(a.hidden as u32)
+            .u32(rows.start as u32)
+            .u32(rows.len() as u32);
         let threads = row_threads(a.hidden / 8);
         self.device
             .launch(&self.embed_tokens, (a.tokens as u32, 1, 1), threads, &args)
@@ -706,6 +711,9 @@ pub struct Embed {
     pub residual: DPtr<f32>,
     pub tokens: usize,
     pub hidden: usize,
+    /// On a rank of a split model: where its bf16 slice of each token's row goes, and the
+    /// vocabulary rows its table holds.
+    pub split: Option<(DPtr<bf16>, std::ops::Range<usize>)>,
 }
 
 /// What a gemv reads.

@@ -579,9 +579,9 @@ impl Backend for TensorParallel {
         self.plans.clone()
     }
 
-    /// Two all-reduces a layer, 64 graphs' worth of replays.
+    /// Two all-reduces a layer and one for the embedding, 64 graphs' worth of replays.
     fn time_all_reduces(&mut self, tokens: usize) -> Result<Option<(usize, usize, f64)>> {
-        let count = 2 * self.lead.config.num_layers;
+        let count = 2 * self.lead.config.num_layers + 1;
         let bytes = tokens * self.lead.config.hidden_size * 2;
         let timed = self.on_all(move |b| b.time_all_reduces(tokens, count, 64));
         match timed {
@@ -595,7 +595,7 @@ impl Backend for TensorParallel {
         }
     }
 
-    /// Rank 0's: every rank holds as much, give or take the vocabulary slice.
+    /// Rank 0's: every rank holds as much.
     fn memory(&self) -> MemoryReport {
         self.lead.memory()
     }

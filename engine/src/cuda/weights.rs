@@ -73,8 +73,8 @@ pub struct WeightLayout {
     bytes: usize,
     tied: bool,
     qkv_bias: bool,
-    /// The first vocabulary row this rank projects (a tied model's slice of the embedding).
-    vocab_row0: usize,
+    /// The vocabulary rows this rank holds, of the embedding and the projection alike.
+    vocab: Range<usize>,
 }
 
 /// Slots per layer, in order: attention norm, qkv, o, MLP norm, gate/up, down, [qkv bias].
@@ -110,8 +110,17 @@ impl WeightLayout {
         let mlp = shard.mlp(c);
         let whole = |name: String, rows: usize| vec![part(name, rows, 0..rows, 0)];
         // (parts, columns held, full columns)
-        let mut specs: Vec<(Vec<Part>, Range<usize>, usize)> =
-            vec![(whole("model.embed_tokens.weight".into(), v), 0..h, h)];
+        let vocab = shard.vocab(c);
+        let mut specs: Vec<(Vec<Part>, Range<usize>, usize)> = vec![(
+            vec![part(
+                "model.embed_tokens.weight".into(),
+                v,
+                vocab.clone(),
+                0,
+            )],
+            0..h,
+            h,
+        )];
         for i in 0..c.num_layers {
             let p = |leaf: &str| format!("model.layers.{i}.{leaf}");
             let qkv = |kind: &str| {
@@ -151,7 +160,6 @@ impl WeightLayout {
             }
         }
         specs.push((whole("model.norm.weight".into(), h), 0..1, 1));
-        let vocab = shard.vocab(c);
         if !c.tie_word_embeddings {
             specs.push((
                 vec![part("lm_head.weight".into(), v, vocab.clone(), 0)],
@@ -179,7 +187,7 @@ impl WeightLayout {
             bytes,
             tied: c.tie_word_embeddings,
             qkv_bias: c.qkv_bias,
-            vocab_row0: vocab.start,
+            vocab,
         }
     }
 
@@ -297,9 +305,14 @@ impl GpuWeights {
         self.layout.bytes() as u64
     }
 
-    /// `[vocab, hidden]`.
+    /// `[vocab / world, hidden]`: this rank's rows of the embedding table (`embed_rows`).
     pub fn embed(&self) -> DPtr<bf16> {
         self.at(&self.layout.slots[0])
+    }
+
+    /// The vocabulary rows this rank holds (every row on one device).
+    pub fn embed_rows(&self) -> Range<usize> {
+        self.layout.vocab.clone()
     }
 
     /// The final norm.
@@ -308,12 +321,11 @@ impl GpuWeights {
         self.at(&self.layout.slots[index])
     }
 
-    /// `[vocab / world, hidden]`, this rank's rows of the vocabulary projection: of the embedding
-    /// table when the model ties them.
+    /// `[vocab / world, hidden]`, this rank's rows of the vocabulary projection: its rows of the
+    /// embedding table when the model ties them.
     pub fn lm_head(&self) -> DPtr<bf16> {
         if self.layout.tied {
-            let hidden = self.layout.slots[0].cols;
-            self.embed().offset(self.layout.vocab_row0 * hidden)
+            self.embed()
         } else {
             self.at(self.layout.slots.last().expect("a model has tensors"))
         }
@@ -442,8 +454,8 @@ mod tests {
         assert_eq!(whole.len(), 9);
         for (i, (a, b)) in ranks[0].iter().zip(&ranks[1]).enumerate() {
             let joined: Vec<u16> = match i {
-                // Replicated: the embedding and the norms.
-                0 | 1 | 4 | 7 => {
+                // Replicated: the norms.
+                1 | 4 | 7 => {
                     assert_eq!(a, b, "slot {i} is the same on every rank");
                     a.clone()
                 }
@@ -474,8 +486,8 @@ mod tests {
                     let g = f / 2 * h;
                     [&a[..g], &b[..g], &a[g..], &b[g..]].concat()
                 }
-                // The vocabulary projection's rows.
-                8 => [a.as_slice(), b.as_slice()].concat(),
+                // The embedding's and the vocabulary projection's rows.
+                0 | 8 => [a.as_slice(), b.as_slice()].concat(),
                 _ => unreachable!(),
             };
             assert_eq!(joined, whole[i], "slot {i}");
