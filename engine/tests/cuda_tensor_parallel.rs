@@ -260,6 +260,12 @@ fn split_random_weights_are_the_single_gpu_s() {
     let (max, rel) = difference(&want.logits, &got.logits);
     println!("random weights, 2 ranks: max abs difference {max:.4}, relative RMS {rel:.2e}");
     assert!(rel < 1e-2, "relative RMS {rel}: not the same weights");
+    // The ranks together hold the model once, but for the norms (held by each) and alignment.
+    let (whole, parts) = (one.memory().weights_bytes, split.memory().weights_bytes);
+    assert!(
+        parts >= whole && parts < whole + whole / 100,
+        "{parts} bytes of weights over 2 ranks, {whole} on one GPU"
+    );
 }
 
 fn copies(table: &[PageId], n: u32) -> Vec<PageCopy> {

@@ -595,9 +595,19 @@ impl Backend for TensorParallel {
         }
     }
 
-    /// Rank 0's: every rank holds as much.
+    /// Every rank's together: each holds what rank 0 holds (the same shares of the weights, the
+    /// same pool, and a buffer of the same size for each snapshot), so the bytes are rank 0's
+    /// times the ranks; the snapshots are counted once.
     fn memory(&self) -> MemoryReport {
-        self.lead.memory()
+        let lead = self.lead.memory();
+        let ranks = 1 + self.followers.len() as u64;
+        MemoryReport {
+            weights_bytes: lead.weights_bytes * ranks,
+            pool_bytes: lead.pool_bytes * ranks,
+            device_snapshot_bytes: lead.device_snapshot_bytes * ranks,
+            host_snapshot_bytes: lead.host_snapshot_bytes * ranks,
+            backings: lead.backings,
+        }
     }
 }
 
