@@ -75,7 +75,10 @@ __device__ void gemv(const void* __restrict__ xp, const bf16* __restrict__ w, vo
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS][TOKENS];
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u32 o0 = blockIdx.x * OUTS;
-    if (o0 >= out) return;
+    if (o0 >= out) {
+        pdl_begin();
+        return;
+    }
     const uint4* rows[GEMV_ROWS];
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; ++r) {
@@ -83,6 +86,24 @@ __device__ void gemv(const void* __restrict__ xp, const bf16* __restrict__ w, vo
         u64 row = GLU && r >= OUTS ? (u64)out + o : o;
         rows[r] = (const uint4*)(w + row * in);
     }
+    // The block's warps share the rows: lane l of warp w reads chunks w·32 + l, then one block
+    // width further on, so a block streams contiguous 2 KB of each row at a time.
+    constexpr u32 STRIDE = 32 * GEMV_WARPS;
+    u32 chunks = in / 8;
+    uint4 wv[GEMV_ROWS][GEMV_UNROLL];
+    auto load = [&](u32 c0) {
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            u32 c = c0 + STRIDE * u;
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r) wv[r][u] = c < chunks ? __ldg(rows[r] + c) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    // The first loads go out before waiting for the kernel before (a programmatic dependent
+    // launch): no kernel of a step writes the weights, so they stream during that kernel's
+    // last blocks instead of after them. x, and y for ACCUM, only after the wait.
+    load(warp * 32 + lane);
+    pdl_begin();
     float scale[TOKENS];
     if (NORM) gemv_norm_scales<TOKENS>((const float*)xp, tokens, in, eps, scale);
     float acc[GEMV_ROWS][TOKENS];
@@ -90,18 +111,8 @@ __device__ void gemv(const void* __restrict__ xp, const bf16* __restrict__ w, vo
     for (int r = 0; r < GEMV_ROWS; ++r)
 #pragma unroll
         for (int t = 0; t < TOKENS; ++t) acc[r][t] = 0.f;
-    // The block's warps share the rows: lane l of warp w reads chunks w·32 + l, then one block
-    // width further on, so a block streams contiguous 2 KB of each row at a time.
-    constexpr u32 STRIDE = 32 * GEMV_WARPS;
-    u32 chunks = in / 8;
     for (u32 c0 = warp * 32 + lane; c0 < chunks; c0 += STRIDE * GEMV_UNROLL) {
-        uint4 wv[GEMV_ROWS][GEMV_UNROLL];
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            u32 c = c0 + STRIDE * u;
-#pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r) wv[r][u] = c < chunks ? __ldg(rows[r] + c) : make_uint4(0, 0, 0, 0);
-        }
+        if (c0 != warp * 32 + lane) load(c0);
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) {
             u32 c = c0 + STRIDE * u;
@@ -159,7 +170,6 @@ __device__ void gemv(const void* __restrict__ xp, const bf16* __restrict__ w, vo
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                 \
         NAME##_t##T(const void* x, const bf16* w, void* y, const bf16* norm_w, float eps,          \
                     u32 tokens, u32 in, u32 out) {                                                \
-        pdl_begin();                                                                               \
         gemv<T, MODE>(x, w, y, norm_w, eps, tokens, in, out);                                     \
     }
 #define GEMV_ENTRIES(NAME, MODE)                                                                  \
