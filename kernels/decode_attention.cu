@@ -200,9 +200,25 @@ __device__ void decode_attention(const DecodeArgs& a) {
     u32 g = min((u32)DECODE_GROUP, group - chunk * DECODE_GROUP);
     u32 split = blockIdx.x, r = blockIdx.z;
     DecodeRow row = decode_row(a.row_start_token, a.row_start_pos, a.window, split, a.splits);
-    if (split >= row.used) return;
+    if (split >= row.used) {
+        pdl_begin();
+        return;
+    }
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
     const u32* table = a.page_table + (u64)r * a.table_stride;
+
+    // The first tile's copy goes out before waiting for the kernel before (a programmatic
+    // dependent launch) when none of its keys can have been written since the step began: this
+    // kernel stores the row's own key and value below, and a verification's k/v append (the
+    // kernel before it then) writes the DECODE_FRESH_KEYS positions up to the row's. Older
+    // keys were written by earlier steps, and the page table by the step's first kernel.
+    u32 first_end = min(row.begin + KEY_TILE, row.end);
+    bool early = first_end + DECODE_FRESH_KEYS <= row.pos + 1;
+    if (early)
+        issue_kv_tile<D, DECODE_WARPS * 32>(decode_tiles, decode_tiles + TILE, a.k_cache,
+                                            a.v_cache, table, a.page_tokens, a.kv_heads, kvh,
+                                            row.begin, row.end - 1);
+    pdl_begin();
 
     // Prologue: lane groups of LPK threads each take one of the g query heads (rotated, rounded
     // to bf16 into the rows of s_q), the new k (rotated) or the new v. The blocks of the split
@@ -245,9 +261,10 @@ __device__ void decode_attention(const DecodeArgs& a) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     u32 n_tiles = (row.end - row.begin + KEY_TILE - 1) / KEY_TILE;
-    issue_kv_tile<D, DECODE_WARPS * 32>(decode_tiles, decode_tiles + TILE, a.k_cache, a.v_cache,
-                                        table, a.page_tokens, a.kv_heads, kvh, row.begin,
-                                        row.end - 1);
+    if (!early)
+        issue_kv_tile<D, DECODE_WARPS * 32>(decode_tiles, decode_tiles + TILE, a.k_cache,
+                                            a.v_cache, table, a.page_tokens, a.kv_heads, kvh,
+                                            row.begin, row.end - 1);
     for (u32 t = 0; t < n_tiles; ++t) {
         u32 k0 = row.begin + t * KEY_TILE;
         const bf16* ks = decode_tiles + (t % PREFILL_STAGES) * 2 * TILE;
@@ -354,7 +371,6 @@ __device__ void decode_attention(const DecodeArgs& a) {
         const u32* row_start_pos, u32 heads, u32 kv_heads, u32 page_tokens, u32 window,           \
         float scale_log2, bf16* out, float* o_part, float* lse_part, u32* done, u32 splits,       \
         u32 store_kv) {                                                                            \
-        pdl_begin();                                                                               \
         DecodeArgs a = {qkv,     bias,           inv_freq,      k_cache, v_cache,                 \
                         page_table, table_stride, row_start_token, row_start_pos, heads,           \
                         kv_heads, page_tokens,   window,        scale_log2, out,                   \

@@ -67,6 +67,11 @@ pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 /// m-tiles 29,838 (40,391); 8 × 1, two blocks a multiprocessor 30,515 (41,925); the 4 × 1 of
 /// before, query rows in registers, 27,350–27,810 (39,480–40,031).
 const PREFILL_WARPS: usize = 8;
+/// The most positions of one sequence a step writes before its decode attention runs (a
+/// verified token and its draft, appended by the kernel before): decode attention copies
+/// older keys before waiting for that kernel (`DECODE_FRESH_KEYS` in the kernels), so a
+/// verification of more positions is not run as decode rows.
+pub const DECODE_FRESH_KEYS: usize = 8;
 const PREFILL_MTILES: usize = 1;
 const PREFILL_ROWS: usize = PREFILL_WARPS * 16 * PREFILL_MTILES;
 const PREFILL_THREADS: u32 = (PREFILL_WARPS * 32) as u32;
@@ -159,7 +164,7 @@ pub const KERNEL_DIR_ENV: &str = "SNAPSERVE_KERNEL_DIR";
 fn program_source() -> Result<String> {
     let dir = std::env::var_os(KERNEL_DIR_ENV).map(std::path::PathBuf::from);
     let mut program =
-        format!("#define PREFILL_WARPS {PREFILL_WARPS}\n#define PREFILL_MTILES {PREFILL_MTILES}\n");
+        format!("#define PREFILL_WARPS {PREFILL_WARPS}\n#define PREFILL_MTILES {PREFILL_MTILES}\n#define DECODE_FRESH_KEYS {DECODE_FRESH_KEYS}\n");
     for (name, text) in SOURCES {
         let text = match &dir {
             Some(dir) if dir.join(name).exists() => {

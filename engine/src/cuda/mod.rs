@@ -1043,12 +1043,11 @@ impl CudaBackend {
         if plan.rows.is_empty() || !on_device || logit_rows > max_rows {
             return VerifyRoute::Host;
         }
-        // Rows that are each a token and its draft, all fitting one decode step.
-        let shaped = plan
-            .rows
-            .iter()
-            .zip(drafts)
-            .all(|(row, &drafted)| row.tokens.len() == drafted + 1);
+        // Rows that are each a token and its draft, all fitting one decode step, no longer
+        // than decode attention allows fresh keys.
+        let shaped = plan.rows.iter().zip(drafts).all(|(row, &drafted)| {
+            row.tokens.len() == drafted + 1 && row.tokens.len() <= kernels::DECODE_FRESH_KEYS
+        });
         let rows: usize = plan.rows.iter().map(|row| row.tokens.len()).sum();
         if shaped && rows <= max_rows {
             VerifyRoute::AsDecode
