@@ -163,8 +163,9 @@ pub const KERNEL_DIR_ENV: &str = "SNAPSERVE_KERNEL_DIR";
 /// The whole program's source, each file after a `#line` marker.
 fn program_source() -> Result<String> {
     let dir = std::env::var_os(KERNEL_DIR_ENV).map(std::path::PathBuf::from);
-    let mut program =
-        format!("#define PREFILL_WARPS {PREFILL_WARPS}\n#define PREFILL_MTILES {PREFILL_MTILES}\n#define DECODE_FRESH_KEYS {DECODE_FRESH_KEYS}\n");
+    let mut program = format!(
+        "#define PREFILL_WARPS {PREFILL_WARPS}\n#define PREFILL_MTILES {PREFILL_MTILES}\n#define DECODE_FRESH_KEYS {DECODE_FRESH_KEYS}\n"
+    );
     for (name, text) in SOURCES {
         let text = match &dir {
             Some(dir) if dir.join(name).exists() => {

@@ -105,11 +105,15 @@ impl TensorParallel {
                  and one rank's exchange waits for the other's launch"
             )));
         }
+        // Ranks on one GPU share its `gpu_memory_fraction`: rank 0 plans its pool first, and
+        // every rank must then find room for as many pages.
+        let sharing = |rank: usize| devices.iter().filter(|&&d| d == devices[rank]).count();
         let on = |rank: usize, pool: PoolSize| CudaOptions {
             device: devices[rank],
             tensor_parallel: 1,
             devices: Vec::new(),
             pool,
+            gpu_memory_fraction: options.gpu_memory_fraction / sharing(rank) as f64,
             // A programmatic dependent's blocks sit on the GPU waiting for the kernel before
             // them; on a GPU two ranks share, one rank's waiting blocks can leave no room for
             // the other's exchange, which the kernel before them waits for.
