@@ -219,29 +219,37 @@ fn add_rms_norm_adds_normalizes_and_packs_rows() {
 #[ignore = "needs a CUDA device"]
 fn silu_mul_gates() {
     let g = gpu(64);
-    let (tokens, ffn) = (7, 1536);
-    let gate_up = round_bf16(&uniform(&mut rng(3), tokens * 2 * ffn, 6.0));
-    let input = g.upload_bf16(&gate_up);
-    let out = g.poisoned(tokens * ffn * 2);
-    g.kernels
-        .silu_mul(input.ptr(), out.ptr(), tokens, ffn)
-        .unwrap();
-    let want: Vec<f32> = (0..tokens * ffn)
-        .map(|i| {
-            let (t, j) = (i / ffn, i % ffn);
-            let (gv, u) = (
-                gate_up[t * 2 * ffn + j] as f64,
-                gate_up[t * 2 * ffn + ffn + j] as f64,
-            );
-            (gv / (1.0 + (-gv).exp()) * u) as f32
-        })
-        .collect();
-    assert_close(
-        "silu_mul",
-        &g.download_bf16(out.ptr(), tokens * ffn),
-        &want,
-        4e-3,
-    );
+    // Rows whose width is a multiple of 8 (eight elements a thread) and one that is not.
+    for (tokens, ffn) in [(7, 1536), (3, 1540), (1, 14336)] {
+        let gate_up = round_bf16(&uniform(&mut rng(3), tokens * 2 * ffn, 6.0));
+        let input = g.upload_bf16(&gate_up);
+        // Twice the output's bytes: the second half must stay poisoned.
+        let out = g.poisoned(tokens * ffn * 4);
+        g.kernels
+            .silu_mul(input.ptr(), out.ptr(), tokens, ffn)
+            .unwrap();
+        let want: Vec<f32> = (0..tokens * ffn)
+            .map(|i| {
+                let (t, j) = (i / ffn, i % ffn);
+                let (gv, u) = (
+                    gate_up[t * 2 * ffn + j] as f64,
+                    gate_up[t * 2 * ffn + ffn + j] as f64,
+                );
+                (gv / (1.0 + (-gv).exp()) * u) as f32
+            })
+            .collect();
+        let got = g.download_bf16(out.ptr(), tokens * ffn * 2);
+        assert_close(
+            &format!("silu_mul {tokens}x{ffn}"),
+            &got[..tokens * ffn],
+            &want,
+            4e-3,
+        );
+        assert!(
+            got[tokens * ffn..].iter().all(|v| v.is_nan()),
+            "silu_mul {tokens}x{ffn} wrote past its rows"
+        );
+    }
 }
 
 #[test]

@@ -330,7 +330,9 @@ impl Kernels {
             .ptr(out)
             .u32(tokens as u32)
             .u32(ffn as u32);
-        let blocks = self.elementwise_blocks(tokens * ffn);
+        // A thread takes eight elements at a time where the rows allow it (see the kernel).
+        let per_thread = if ffn.is_multiple_of(8) { 8 } else { 1 };
+        let blocks = self.elementwise_blocks(tokens * ffn / per_thread);
         self.device
             .launch(&self.silu_mul, (blocks, 1, 1), THREADS, &args)
     }
