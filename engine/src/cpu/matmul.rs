@@ -11,7 +11,7 @@
 //! CPU backend has its own product.
 //!
 //! Work is split over the current rayon pool by blocks of weight rows; inside a block, tiles of
-//! up to 4 input rows by up to 6 (AVX-512) or 2 (AVX2) weight rows keep their accumulators in
+//! up to 4 input rows by up to 4 (AVX-512) or 2 (AVX2) weight rows keep their accumulators in
 //! registers, so each weight row is read once per 4 input rows.
 
 use half::bf16;
@@ -372,7 +372,9 @@ pub fn dots(
 /// The block's pointers must be valid for its rows, columns and `k`, and `isa` available.
 unsafe fn run_tiled<W: Weight>(isa: Isa, block: Tile<W>) {
     let max_cols = match isa {
-        Isa::Avx512 => 6,
+        // 4 × 4 rather than 4 × 6: the 24 accumulators of 4 × 6 plus their operands left LLVM
+        // spilling accumulators to the stack inside the loop (BENCHMARKS.md: prefill +60%).
+        Isa::Avx512 => 4,
         Isa::Avx2 => 2,
         Isa::Portable => 1,
     };
@@ -503,11 +505,6 @@ mod x86 {
     pub(super) unsafe fn tile_avx512<W: Weight>(t: Tile<W>) {
         unsafe {
             match (t.rows, t.cols) {
-                (4, 6) => tile512::<W, 4, 6>(t),
-                (3, 6) => tile512::<W, 3, 6>(t),
-                (2, 6) => tile512::<W, 2, 6>(t),
-                (1, 6) => tile512::<W, 1, 6>(t),
-                // A page of 16 positions of attention scores ends in a tile of 4.
                 (4, 4) => tile512::<W, 4, 4>(t),
                 (3, 4) => tile512::<W, 3, 4>(t),
                 (2, 4) => tile512::<W, 2, 4>(t),
