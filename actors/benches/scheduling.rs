@@ -9,6 +9,8 @@
 //! thread with no messages (the planning alone). Each for `decode_steps` 1 and 8 (override
 //! with `DECODE_STEPS=1,4`; batch sizes with `BATCHES=1,32,256`): with 8, one scheduler step
 //! hands the engine up to 8 decode steps. Callers read their streams as tokens arrive.
+//! Through the actors, with the next step planned while the engine runs the one before it
+//! (`[admission] overlap_steps`, the default) and without (`OVERLAP=on,off` picks).
 
 use std::time::{Duration, Instant};
 
@@ -98,7 +100,7 @@ impl Backend for NullBackend {
     }
 }
 
-fn setup(batch: usize, decode_steps: usize) -> (NullBackend, ServeConfig) {
+fn setup(batch: usize, decode_steps: usize, overlap: bool) -> (NullBackend, ServeConfig) {
     let geometry = KvGeometry {
         layers: 30,
         kv_heads: 3,
@@ -114,7 +116,7 @@ fn setup(batch: usize, decode_steps: usize) -> (NullBackend, ServeConfig) {
         max_positions: 8192,
     };
     let toml = format!(
-        "[cache]\npage_tokens = {PAGE}\n[admission]\nmax_running = {batch}\nmax_queue = {batch}\nstep_token_budget = {}\ndecode_steps = {decode_steps}\n",
+        "[cache]\npage_tokens = {PAGE}\n[admission]\nmax_running = {batch}\nmax_queue = {batch}\nstep_token_budget = {}\ndecode_steps = {decode_steps}\noverlap_steps = {overlap}\n",
         batch.max(64) * 16
     );
     let config = ServeConfig {
@@ -144,7 +146,7 @@ fn requests(batch: usize) -> impl Iterator<Item = GenerateRequest> {
 /// The same step loop as the `Admission` actor's, on one thread with no messages: the planning
 /// and bookkeeping alone.
 fn measure_inline(batch: usize, decode_steps: usize) -> Duration {
-    let (backend, config) = setup(batch, decode_steps);
+    let (backend, config) = setup(batch, decode_steps, false);
     let Parts {
         mut scheduler,
         mut pool,
@@ -190,8 +192,8 @@ fn measure_inline(batch: usize, decode_steps: usize) -> Duration {
     start.elapsed() / decoded as u32
 }
 
-async fn measure(batch: usize, decode_steps: usize) -> Duration {
-    let (backend, config) = setup(batch, decode_steps);
+async fn measure(batch: usize, decode_steps: usize, overlap: bool) -> Duration {
+    let (backend, config) = setup(batch, decode_steps, overlap);
     let handles = actors::start(Box::new(backend), config).unwrap();
     for request in requests(batch) {
         let mut stream = handles.submit(request).await.unwrap();
@@ -230,26 +232,38 @@ fn main() {
     };
     let batches = list("BATCHES", &[1, 32, 256]);
     let decode_steps = list("DECODE_STEPS", &[1, 8]);
+    let overlaps: Vec<bool> = match std::env::var("OVERLAP") {
+        Ok(list) => list.split(',').map(|o| o == "on").collect(),
+        Err(_) => vec![true, false],
+    };
     println!(
-        "{:>6} {:>12} {:>18} {:>18} {:>22}",
-        "batch", "decode_steps", "µs per decode step", "µs per sequence", "one thread: µs/step"
+        "{:>6} {:>12} {:>8} {:>18} {:>18} {:>22}",
+        "batch",
+        "decode_steps",
+        "overlap",
+        "µs per decode step",
+        "µs per sequence",
+        "one thread: µs/step"
     );
     for batch in batches {
         for &k in &decode_steps {
             // `ONLY=inline` or `ONLY=actors` runs one of the two (for a profiler).
             let only = std::env::var("ONLY").unwrap_or_default();
-            let micros = match only.as_str() {
-                "inline" => f64::NAN,
-                _ => system.block_on(measure(batch, k)).as_secs_f64() * 1e6,
-            };
             let inline = match only.as_str() {
                 "actors" => f64::NAN,
                 _ => measure_inline(batch, k).as_secs_f64() * 1e6,
             };
-            println!(
-                "{batch:>6} {k:>12} {micros:>18.1} {:>18.2} {inline:>22.1}",
-                micros / batch as f64
-            );
+            for &overlap in &overlaps {
+                let micros = match only.as_str() {
+                    "inline" => f64::NAN,
+                    _ => system.block_on(measure(batch, k, overlap)).as_secs_f64() * 1e6,
+                };
+                let overlap = if overlap { "on" } else { "off" };
+                println!(
+                    "{batch:>6} {k:>12} {overlap:>8} {micros:>18.1} {:>18.2} {inline:>22.1}",
+                    micros / batch as f64
+                );
+            }
         }
     }
 }

@@ -1,13 +1,22 @@
 //! The `Admission` actor: holds the scheduler ([`crate::scheduler::Scheduler`]) and drives its
 //! steps through the `SnapshotStore`, `KvPool` and `Engine` actors.
 //!
-//! A step is one chain of four exchanges (store, pool, store, engine); while it is in flight,
-//! submissions and cancellations are still handled, so the queue fills while the engine works;
-//! each raises the engine's interrupt, which ends a multi-step decode after the decode step it
-//! is in, so a newcomer is admitted one decode step later, not `decode_steps`.
-//! When a step ends with work left, the next starts at once; when every job is backing off, a
-//! timer wakes the loop; when there is nothing to do, the next submission does.
+//! Planning a step is one chain of three exchanges (store, pool, store) ending with the
+//! engine step sent. The next step is planned as soon as that one is sent, while the engine
+//! runs it ([`Scheduler::can_plan_ahead`]): its rows start from the tokens the step ahead of
+//! them picks, which the engine fills in, so the exchanges, the planning and the delivery of
+//! tokens overlap the forward pass. At most two steps are in flight; an answer that comes while
+//! a step is being planned waits until that plan is sent, and answers are applied in the order
+//! the steps went out.
+//!
+//! While steps are in flight, submissions and cancellations are still handled, so the queue
+//! fills while the engine works; each raises the engine's interrupt, which ends a multi-step
+//! decode after the decode step it is in, so a newcomer is admitted one decode step later,
+//! not `decode_steps`. When a step ends with work left, the next starts at once; when every
+//! job is backing off, a timer wakes the loop; when there is nothing to do, the next
+//! submission does.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -17,7 +26,7 @@ use actix::{
     SpawnHandle, WrapFuture,
 };
 
-use crate::engine::{Engine, EngineStepReply};
+use crate::engine::{Engine, EngineStep, EngineStepReply};
 use crate::error::ServeError;
 use crate::kv_pool::{KvPool, PoolStep};
 use crate::request::{GenerateRequest, RequestId, RequestStream};
@@ -32,7 +41,13 @@ pub struct Admission {
     /// The engine's interrupt ([`Engine::interrupt`]): raised by arrivals, cancellations and
     /// ended back-offs, lowered when a step is planned (which sees them).
     interrupt: Arc<AtomicBool>,
-    stepping: bool,
+    /// A step's exchanges with the store and the pool are under way.
+    planning: bool,
+    /// Engine steps sent and not yet answered, with when each began to be planned.
+    in_flight: VecDeque<Instant>,
+    /// Answers not applied yet: those that came while a step was being planned (applied once
+    /// it is sent), in the order their steps went out.
+    answered: VecDeque<EngineStepReply>,
     wake: Option<SpawnHandle>,
     mailbox_capacity: usize,
 }
@@ -52,25 +67,43 @@ impl Admission {
             store,
             engine,
             interrupt,
-            stepping: false,
+            planning: false,
+            in_flight: VecDeque::new(),
+            answered: VecDeque::new(),
             wake: None,
             mailbox_capacity,
         }
     }
 
-    /// Starts a step if one can run, else arms the timer for the next back-off to end. Called
-    /// by every arrival and cancellation, and by that timer: during a step, each cuts a
-    /// multi-step decode short, since the next step has new work to plan.
+    /// Plans a step if one can be planned now, else arms the timer for the next back-off to
+    /// end. Called by every arrival and cancellation, and by that timer: while a step is in
+    /// flight, each cuts a multi-step decode short, since the next step has new work to plan.
     fn kick(&mut self, ctx: &mut Context<Self>) {
-        if self.stepping {
+        if self.planning || !self.in_flight.is_empty() {
             self.interrupt.store(true, Ordering::Release);
+        }
+        self.proceed(ctx);
+    }
+
+    /// Plans the next step when one may be planned (none is being planned, and none is in
+    /// flight or the scheduler may plan ahead of the one that is) and there is work for it.
+    fn proceed(&mut self, ctx: &mut Context<Self>) {
+        if self.planning {
             return;
         }
-        let now = Instant::now();
-        let (ready, wake_at) = self.scheduler.readiness(now);
+        let may_plan = match self.in_flight.len() {
+            0 => true,
+            1 => self.scheduler.can_plan_ahead(),
+            _ => false,
+        };
+        if !may_plan {
+            // The answer in flight calls this again.
+            return;
+        }
+        let (ready, wake_at) = self.scheduler.readiness(Instant::now());
         if ready {
-            self.run_step(ctx);
-        } else if let Some(at) = wake_at {
+            self.plan(ctx);
+        } else if let Some(at) = wake_at.filter(|_| self.in_flight.is_empty()) {
             self.arm(ctx, at);
         }
     }
@@ -86,23 +119,26 @@ impl Admission {
         }));
     }
 
+    /// After a step was finished: plans the next at once if it said so, else waits for the
+    /// answer in flight, a message or the end of a back-off.
     fn after(&mut self, outcome: StepOutcome, ctx: &mut Context<Self>) {
-        self.stepping = false;
         if outcome.ready {
-            self.run_step(ctx);
-        } else if let Some(at) = outcome.wake_at {
+            self.proceed(ctx);
+        } else if let Some(at) = outcome.wake_at.filter(|_| self.in_flight.is_empty()) {
             self.arm(ctx, at);
         }
     }
 
-    fn run_step(&mut self, ctx: &mut Context<Self>) {
-        self.stepping = true;
+    /// The exchanges of one step with the store and the pool, then the engine step sent (or,
+    /// with nothing for the engine, the step finished at once).
+    fn plan(&mut self, ctx: &mut Context<Self>) {
+        self.planning = true;
         // This step's planning sees every arrival so far.
         self.interrupt.store(false, Ordering::Release);
         let started = Instant::now();
-        let lookups = self.scheduler.begin_step(Instant::now());
+        let lookups = self.scheduler.begin_step(started);
         let store = self.store.clone();
-        let step = async move {
+        let chain = async move {
             if lookups.is_empty() {
                 return Vec::new();
             }
@@ -143,27 +179,84 @@ impl Admission {
             }
             .into_actor(act)
         })
-        .then(|replies, act, _| {
+        .map(move |replies, act, ctx| {
             let step = act.scheduler.plan_engine(replies);
-            let engine = act.engine.clone();
-            async move {
-                let step = step?;
-                let shape = EngineStepReply::shape_of(&step);
-                Some(engine.send(step).await.unwrap_or_else(|e| {
-                    EngineStepReply::failed(shape, &format!("the engine is unavailable: {e}"))
-                }))
-            }
-            .into_actor(act)
-        })
-        .map(move |reply: Option<EngineStepReply>, act, ctx| {
-            crate::metrics::step_done(started.elapsed().as_secs_f64());
-            if let Some(reply) = reply.as_ref().filter(|r| r.forward.is_ok()) {
-                crate::metrics::forward_done(reply.first_step_seconds);
-            }
-            let outcome = act.scheduler.finish_step(reply, Instant::now());
-            act.after(outcome, ctx);
+            act.planned(step, started, ctx);
         });
-        ctx.spawn(step);
+        ctx.spawn(chain);
+    }
+
+    /// A plan is complete: its engine step goes out, or with none it is finished now; the
+    /// answers that came meanwhile are applied; then the next step is planned if it can be.
+    fn planned(&mut self, step: Option<EngineStep>, started: Instant, ctx: &mut Context<Self>) {
+        self.planning = false;
+        let mut outcome = match step {
+            Some(step) => {
+                self.send(step, started, ctx);
+                StepOutcome {
+                    ready: true,
+                    wake_at: None,
+                }
+            }
+            None => {
+                crate::metrics::step_done(started.elapsed().as_secs_f64());
+                self.scheduler.finish_step(None, Instant::now())
+            }
+        };
+        while let Some(reply) = self.next_answer() {
+            outcome = self.finish(reply);
+        }
+        self.after(outcome, ctx);
+    }
+
+    /// The answer to the oldest step in flight, if it came.
+    fn next_answer(&mut self) -> Option<EngineStepReply> {
+        let oldest = self.scheduler.oldest_in_flight()?;
+        if self.answered.front()?.id != oldest {
+            return None;
+        }
+        self.answered.pop_front()
+    }
+
+    fn send(&mut self, step: EngineStep, started: Instant, ctx: &mut Context<Self>) {
+        let shape = EngineStepReply::shape_of(&step);
+        self.in_flight.push_back(started);
+        let answer = self.engine.send(step);
+        let answer = async move {
+            answer.await.unwrap_or_else(|e| {
+                EngineStepReply::failed(shape, &format!("the engine is unavailable: {e}"))
+            })
+        }
+        .into_actor(self)
+        .map(|reply, act, ctx| {
+            // Kept in the order the steps went out, whatever order the answers are seen in.
+            let at = act.answered.partition_point(|r| r.id < reply.id);
+            act.answered.insert(at, reply);
+            if act.planning {
+                return;
+            }
+            let mut outcome = None;
+            while let Some(reply) = act.next_answer() {
+                outcome = Some(act.finish(reply));
+            }
+            if let Some(outcome) = outcome {
+                act.after(outcome, ctx);
+            }
+        });
+        ctx.spawn(answer);
+    }
+
+    /// Applies the engine's answer to the oldest step in flight.
+    fn finish(&mut self, reply: EngineStepReply) -> StepOutcome {
+        let started = self
+            .in_flight
+            .pop_front()
+            .expect("an answer is to a step in flight");
+        crate::metrics::step_done(started.elapsed().as_secs_f64());
+        if reply.forward.is_ok() {
+            crate::metrics::forward_done(reply.first_step_seconds);
+        }
+        self.scheduler.finish_step(Some(reply), Instant::now())
     }
 }
 

@@ -28,8 +28,11 @@ use engine::disk::{DiskDone, DiskFault, DiskSource, DiskTier, WriteJob};
 use engine::sampling::Sampler;
 use engine::stop::is_stop_token;
 
+use crate::request::RequestId;
+
 pub use crate::exchange::{
-    EngineStep, EngineStepReply, RestoreCopy, RestoreFault, SampledTokens, SaveCopy, StepShape,
+    EngineStep, EngineStepReply, Pick, PickOutcome, RestoreCopy, RestoreFault, RowRequest,
+    SampledTokens, SaveCopy, StepShape,
 };
 
 pub struct Engine {
@@ -58,6 +61,18 @@ pub struct Engine {
     promoting: HashMap<BackingId, (SnapshotId, BackingId)>,
     /// Tiers where a copy other than a restore found corrupt bytes since the last reply.
     corrupt_found: Vec<Tier>,
+    /// The sampler of every request that has picked a token and not ended, in the slot the
+    /// scheduler gave it, with the token it last picked: a row planned before the step ahead
+    /// of it answered starts from that token.
+    samplers: Vec<Option<Resident>>,
+}
+
+/// A request's sampler, kept between its steps.
+#[derive(Debug)]
+struct Resident {
+    request: RequestId,
+    sampler: Box<Sampler>,
+    last: Option<u32>,
 }
 
 /// The identity half of a backing's frame; the bytes' half is the backend's block sums.
@@ -91,6 +106,7 @@ impl Engine {
             disk: None,
             promoting: HashMap::new(),
             corrupt_found: Vec::new(),
+            samplers: Vec::new(),
         }
     }
 
@@ -606,6 +622,115 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// The samplers of the rows that pick a token, in row order: handed over with the row, or
+    /// taken from those the engine keeps. A row that follows its request's last pick gets
+    /// that token. The second value says why the step cannot run: a row that picks with no
+    /// sampler anywhere, or whose slot holds another request's.
+    fn lend_samplers(
+        &mut self,
+        step: &mut EngineStep,
+    ) -> (Vec<Option<Box<Sampler>>>, Option<String>) {
+        let mut lent: Vec<Option<Box<Sampler>>> = (0..step.rows.len()).map(|_| None).collect();
+        if step.rows.len() != step.plan.rows.len() {
+            let why = format!(
+                "{} row requests for {} rows (a bug in the scheduler)",
+                step.rows.len(),
+                step.plan.rows.len()
+            );
+            return (lent, Some(why));
+        }
+        let mut missing = None;
+        for ((request, row), lent) in step.rows.iter_mut().zip(&mut step.plan.rows).zip(&mut lent) {
+            let Some(pick) = request.pick.as_mut() else {
+                continue;
+            };
+            let slot = pick.slot as usize;
+            if slot >= self.samplers.len() {
+                self.samplers.resize_with(slot + 1, || None);
+            }
+            let kept = match self.samplers[slot].take() {
+                Some(r) if r.request != request.request => {
+                    missing = Some(format!(
+                        "sampler slot {slot} holds request {}'s sampler, not {}'s (a bug in the \
+                         scheduler)",
+                        r.request.0, request.request.0
+                    ));
+                    self.samplers[slot] = Some(r);
+                    continue;
+                }
+                kept => kept,
+            };
+            if pick.follows {
+                // None only when the step before failed for this request; the scheduler then
+                // drops whatever this row picks.
+                row.tokens[0] = kept.as_ref().and_then(|r| r.last).unwrap_or(0);
+            }
+            *lent = pick.sampler.take().or(kept.map(|r| r.sampler));
+            match lent.as_mut() {
+                Some(sampler) if pick.keep_logits => sampler.keep_next_logits(),
+                Some(_) => {}
+                None => {
+                    missing = Some(format!(
+                        "no sampler for request {} (a bug in the scheduler)",
+                        request.request.0
+                    ))
+                }
+            }
+        }
+        (lent, missing)
+    }
+
+    /// Takes back the lent samplers, each having accepted its row's tokens, and collects what
+    /// their picks left for the scheduler.
+    fn keep_samplers(
+        &mut self,
+        rows: &[RowRequest],
+        samplers: Vec<Option<Box<Sampler>>>,
+        forward: &Result<SampledTokens, String>,
+    ) -> Vec<(usize, PickOutcome)> {
+        let mut outcomes = Vec::new();
+        for (r, (request, sampler)) in rows.iter().zip(samplers).enumerate() {
+            let (Some(pick), Some(mut sampler)) = (&request.pick, sampler) else {
+                continue;
+            };
+            let tokens = forward.as_ref().map_or(&[][..], |sampled| sampled.row(r));
+            for &token in tokens {
+                sampler.accept(token);
+            }
+            let outcome = PickOutcome {
+                logprobs: sampler.take_logprobs(),
+                kept_logits: if pick.keep_logits {
+                    sampler.take_kept_logits()
+                } else {
+                    None
+                },
+                failure: sampler.failure().map(str::to_owned),
+            };
+            if !outcome.logprobs.is_empty()
+                || outcome.kept_logits.is_some()
+                || outcome.failure.is_some()
+            {
+                outcomes.push((r, outcome));
+            }
+            self.samplers[pick.slot as usize] = Some(Resident {
+                request: request.request,
+                sampler,
+                last: tokens.last().copied(),
+            });
+        }
+        outcomes
+    }
+
+    /// The requests whose samplers the engine keeps (tests compare them with the
+    /// scheduler's).
+    pub fn kept_samplers(&self) -> Vec<RequestId> {
+        let mut ids: Vec<RequestId> = self.samplers.iter().flatten().map(|r| r.request).collect();
+        ids.sort_unstable();
+        ids
+    }
+}
+
 /// A multi-step decode needs every row to be one token with a sampler.
 fn check_multi_step(
     plan: &StepPlan,
@@ -641,6 +766,13 @@ impl Engine {
     /// saves.
     pub fn run(&mut self, mut step: EngineStep) -> EngineStepReply {
         let began = std::time::Instant::now();
+        for &(slot, request) in &step.forget {
+            if let Some(kept) = self.samplers.get_mut(slot as usize)
+                && kept.as_ref().is_some_and(|r| r.request == request)
+            {
+                *kept = None;
+            }
+        }
         let mut demotions = Vec::new();
         let mut promotions = Vec::new();
         self.reap_demotions(false, &mut demotions);
@@ -658,14 +790,19 @@ impl Engine {
         self.free_demoted_sources();
         let mut first_step = (0.0, false);
         let mut cut_short = false;
-        let forward = self.forward(
-            &mut step.plan,
-            &mut step.samplers,
-            &step.row_steps,
-            &step.drafts,
-            &mut first_step,
-            &mut cut_short,
-        );
+        let (mut samplers, missing) = self.lend_samplers(&mut step);
+        let forward = match missing {
+            Some(e) => Err(e),
+            None => self.forward(
+                &mut step.plan,
+                &mut samplers,
+                &step.row_steps,
+                &step.drafts,
+                &mut first_step,
+                &mut cut_short,
+            ),
+        };
+        let outcomes = self.keep_samplers(&step.rows, samplers, &forward);
         let forwarded = began.elapsed();
         let restores = self.restore_outcomes(&step.restores, queued);
         let saves = match &forward {
@@ -695,6 +832,7 @@ impl Engine {
             began.elapsed().as_secs_f64() * 1e3
         );
         EngineStepReply {
+            id: step.id,
             demotions,
             engine_gone: false,
             promotions,
@@ -705,7 +843,7 @@ impl Engine {
             first_step_seconds: first_step.0,
             first_step_captured: first_step.1,
             cut_short,
-            samplers: step.samplers,
+            outcomes,
             saves,
             plan: step.plan,
         }

@@ -8,7 +8,9 @@ use cache::{
     PromotionStart, RestorePlan, SaveReservation, SaveStart, SlotHandle, SnapshotId, Tier,
 };
 use engine::backend::StepPlan;
-use engine::sampling::Sampler;
+use engine::sampling::{Sampler, TokenLogprobs};
+
+use crate::request::RequestId;
 
 /// One change to the pool.
 #[derive(Debug, Clone, PartialEq)]
@@ -151,6 +153,8 @@ impl std::fmt::Display for RestoreFault {
 
 /// Everything the backend does for one scheduler step.
 pub struct EngineStep {
+    /// The scheduler's number for the step, which its answer carries back.
+    pub id: u64,
     pub evictions: Vec<Eviction>,
     /// Disk snapshots to read back into memory, beside the steps (after the evictions).
     pub promotions: Vec<Promotion>,
@@ -159,8 +163,11 @@ pub struct EngineStep {
     /// per choice of an `n` > 1 request taking the prompt's KV from its first choice.
     pub forks: Vec<Vec<PageClone>>,
     pub plan: StepPlan,
-    /// One per plan row: rows with a sampler get their next token.
-    pub samplers: Vec<Option<Box<Sampler>>>,
+    /// One per plan row: whose row it is, and whether and how it picks a token.
+    pub rows: Vec<RowRequest>,
+    /// Requests that ended, with the slots of their samplers: the engine drops them before
+    /// the rows run (none of them has a row in this step; a slot may be handed to another).
+    pub forget: Vec<(u32, RequestId)>,
     /// Empty for one step. Otherwise one per plan row, every row one token with a sampler:
     /// row `i` runs up to `row_steps[i]` decode steps, each fed the token the one before
     /// sampled, and stops early after a stop token of its sampler or the model's.
@@ -170,6 +177,45 @@ pub struct EngineStep {
     /// ([`engine::backend::Backend::step_and_verify`]). Never with `row_steps`.
     pub drafts: Vec<usize>,
     pub saves: Vec<SaveCopy>,
+}
+
+/// Which request a plan row belongs to, and how it picks a token, if it does.
+#[derive(Debug)]
+pub struct RowRequest {
+    pub request: RequestId,
+    /// The row ends at its request's end: it picks the next token.
+    pub pick: Option<Pick>,
+}
+
+/// How a row picks its token.
+///
+/// The engine keeps a request's sampler from the first row that picks for it (which hands it
+/// over) until the request ends ([`EngineStep::forget`]), in a slot the scheduler numbers, so
+/// steps may follow one another without waiting for each other's answers: a row planned
+/// before the step ahead of it answered takes as its token the one that step picked for its
+/// request (`follows`).
+#[derive(Debug)]
+pub struct Pick {
+    /// Where the engine keeps the request's sampler.
+    pub slot: u32,
+    /// The request's sampler, handed over with its first row that picks.
+    pub sampler: Option<Box<Sampler>>,
+    /// The row's one token is the one the engine last picked for this request, unknown when
+    /// the row was planned.
+    pub follows: bool,
+    /// Keep a copy of the logits this pick is made from (after a whole prompt).
+    pub keep_logits: bool,
+}
+
+/// What a row's pick left besides its tokens, for the rows that left something.
+#[derive(Debug, Default)]
+pub struct PickOutcome {
+    /// One per token sampled, when the request asked for them.
+    pub logprobs: Vec<TokenLogprobs>,
+    /// What [`Pick::keep_logits`] asked for.
+    pub kept_logits: Option<Vec<f32>>,
+    /// The request's grammar failed: its picks are not to be delivered.
+    pub failure: Option<String>,
 }
 
 /// The tokens each plan row sampled, in order.
@@ -211,6 +257,8 @@ impl SampledTokens {
 }
 
 pub struct EngineStepReply {
+    /// The step's number ([`EngineStep::id`]).
+    pub id: u64,
     /// Demotions whose copy ended since the last step (started in this step or earlier), and
     /// whether it worked.
     pub demotions: Vec<(SnapshotId, bool)>,
@@ -234,8 +282,9 @@ pub struct EngineStepReply {
     /// A multi-step decode ended before its rows' step counts because the interrupt was
     /// raised (a request arrived or was cancelled).
     pub cut_short: bool,
-    /// The samplers, handed back in row order.
-    pub samplers: Vec<Option<Box<Sampler>>>,
+    /// What the picks left besides their tokens, by plan row, for the rows that left
+    /// something (logprobs, kept logits, a grammar's failure), in row order.
+    pub outcomes: Vec<(usize, PickOutcome)>,
     pub saves: Vec<Result<(), String>>,
     /// The plan, handed back so its buffers are refilled next step rather than reallocated.
     pub plan: StepPlan,
@@ -244,18 +293,18 @@ pub struct EngineStepReply {
 /// How many outcomes of each kind a step's reply carries.
 #[derive(Debug, Clone, Copy)]
 pub struct StepShape {
+    id: u64,
     restores: usize,
     forks: usize,
-    rows: usize,
     saves: usize,
 }
 
 impl EngineStepReply {
     pub fn shape_of(step: &EngineStep) -> StepShape {
         StepShape {
+            id: step.id,
             restores: step.restores.len(),
             forks: step.forks.len(),
-            rows: step.plan.rows.len(),
             saves: step.saves.len(),
         }
     }
@@ -264,6 +313,7 @@ impl EngineStepReply {
     /// it failed. (Demotions it carried stay `Demoting` in the store; nothing serves then.)
     pub fn failed(shape: StepShape, reason: &str) -> Self {
         EngineStepReply {
+            id: shape.id,
             demotions: Vec::new(),
             engine_gone: true,
             promotions: Vec::new(),
@@ -274,7 +324,7 @@ impl EngineStepReply {
             first_step_seconds: 0.0,
             first_step_captured: false,
             cut_short: false,
-            samplers: (0..shape.rows).map(|_| None).collect(),
+            outcomes: Vec::new(),
             saves: vec![Err(reason.to_string()); shape.saves],
             plan: StepPlan::default(),
         }

@@ -83,6 +83,10 @@ fn describe() {
             "Multi-step decodes ended early because a request arrived or was cancelled.",
         ),
         (
+            "snapserve_steps_planned_ahead_total",
+            "Engine steps planned and sent while the step before them was still running.",
+        ),
+        (
             "snapserve_speculative_draft_tokens_total",
             "Tokens prompt lookup drafted for verification (speculative decoding).",
         ),
@@ -239,6 +243,7 @@ pub async fn render(handles: &Handles, prometheus: &PrometheusHandle) -> String 
     counter!("snapserve_scheduler_steps_total").absolute(scheduler.steps);
     counter!("snapserve_multi_step_steps_total").absolute(scheduler.multi_steps);
     counter!("snapserve_multi_step_cut_short_total").absolute(scheduler.multi_steps_cut_short);
+    counter!("snapserve_steps_planned_ahead_total").absolute(scheduler.planned_ahead);
     counter!("snapserve_speculative_draft_tokens_total").absolute(scheduler.drafted_tokens);
     counter!("snapserve_speculative_accepted_tokens_total").absolute(scheduler.accepted_tokens);
     for (kept, &count) in scheduler.verified.iter().enumerate() {

@@ -153,6 +153,7 @@ pub fn build(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Parts, Se
         prompt_logits_bytes: policies.snapshots.prompt_logits_bytes(),
         save_tier: Tier::Device,
         speculative: policies.speculative.clone(),
+        overlap: policies.admission.overlap_steps(),
         salt,
         seed: config.seed,
     });

@@ -135,6 +135,14 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
+    /// Whether a pick depends on the tokens picked before it (the penalties): such a request
+    /// picks one token per step, each accepted before the next is picked.
+    pub fn reads_history(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+    }
+
     /// Checks every parameter against its range; the error names the first bad one.
     pub fn validate(&self) -> Result<()> {
         check_closed("temperature", self.temperature, 0.0, MAX_TEMPERATURE)?;
@@ -510,10 +518,7 @@ impl Sampler {
     /// Whether a pick depends on the tokens [`Sampler::accept`] recorded (penalties): such a
     /// sampler picks one token per step, each accepted before the next is picked.
     pub fn reads_history(&self) -> bool {
-        let params = &self.params;
-        params.repetition_penalty != 1.0
-            || params.presence_penalty != 0.0
-            || params.frequency_penalty != 0.0
+        self.params.reads_history()
     }
 
     fn apply_penalties(&self, logits: &mut [f32]) {

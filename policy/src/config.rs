@@ -287,6 +287,14 @@ pub struct AdmissionConfig {
     /// waits one decode step to be admitted, as with 1; the cost left is that a sequence that
     /// stops early holds its pages, and its caller waits for its end, until the run's last step.
     pub decode_steps: usize,
+    /// Plan the next step while the engine runs the one before it: the pool and store
+    /// exchanges, the planning and the delivery of tokens overlap the forward pass instead of
+    /// following it. A row planned that way starts from the token the step ahead of it picks,
+    /// so a request that stops on that token has one decode row computed for nothing. Off
+    /// while drafts are proposed (speculative decoding), since a draft is made from known
+    /// tokens. It applies with `decode_steps = 1`: several decode steps per scheduler step
+    /// are the other way to hide the scheduler's time, and with them steps go one at a time.
+    pub overlap_steps: bool,
     /// The longest an engine step should take, in milliseconds: prompt chunks are cut so that
     /// a step's predicted time stays under it (the prediction is learnt from the steps run so
     /// far), which bounds how long a decoding sequence waits behind someone's long prompt.
@@ -376,6 +384,7 @@ impl Default for AdmissionConfig {
             max_running: 32,
             step_token_budget: 2_048,
             decode_steps: 1,
+            overlap_steps: true,
             max_step_ms: None,
         }
     }
@@ -516,6 +525,7 @@ pub struct AdmissionPolicy {
     max_running: usize,
     step_token_budget: usize,
     decode_steps: usize,
+    overlap_steps: bool,
     max_step: Option<Duration>,
 }
 
@@ -531,6 +541,9 @@ impl AdmissionPolicy {
     }
     pub fn decode_steps(&self) -> usize {
         self.decode_steps
+    }
+    pub fn overlap_steps(&self) -> bool {
+        self.overlap_steps
     }
     /// The configured step time limit, or the default for the backend.
     pub fn max_step(&self, on_gpu: bool) -> Duration {
@@ -817,6 +830,7 @@ impl AdmissionConfig {
             max_running: self.max_running,
             step_token_budget: self.step_token_budget,
             decode_steps: self.decode_steps,
+            overlap_steps: self.overlap_steps,
             max_step: self.max_step_ms.map(Duration::from_millis),
         })
     }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cache::{PageId, PrefixHash, PrefixHasher, SlotHandle, SnapshotId};
-use engine::sampling::{Sampler, TokenLogprobs};
+use engine::sampling::{Sampler, SamplingParams, TokenLogprobs};
 use policy::Backoff;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -36,8 +36,19 @@ pub(crate) struct Job {
     pub prompt_len: usize,
     /// Most tokens it may generate (already clipped to the model's context).
     pub max_new: usize,
-    /// `None` only while lent to the engine for a step.
+    /// Its sampler, until the first row that picks a token hands it to the engine, which
+    /// keeps it from then on (and drops it when told the request ended).
     pub sampler: Option<Box<Sampler>>,
+    /// How it picks, for the stop rule and planning, wherever the sampler is.
+    pub params: SamplingParams,
+    /// Where the engine keeps its sampler, once handed over.
+    pub sampler_slot: Option<u32>,
+    /// Tokens picked by steps sent to the engine whose answers have not come back: at most
+    /// one at planning time (a step planned while the one before it runs).
+    pub in_flight: usize,
+    /// Bumped whenever what steps in flight computed for it stops counting (its KV is
+    /// recomputed, it is preempted or closes): their answers for it are dropped.
+    pub epoch: u32,
     /// Chained hashes of the full pages of `tokens`, extended as needed.
     chain: Vec<PrefixHash>,
     pub slot: Option<Slot>,
@@ -102,7 +113,11 @@ impl Job {
             prompt_len: prompt.len(),
             tokens: prompt,
             max_new,
+            params: sampler.params().clone(),
+            sampler_slot: None,
             sampler: Some(Box::new(sampler)),
+            in_flight: 0,
+            epoch: 0,
             chain: Vec::new(),
             slot: None,
             computed: 0,
@@ -131,9 +146,24 @@ impl Job {
         self.tokens.len() - self.prompt_len
     }
 
-    /// Tokens whose KV still has to be computed.
+    /// Its length once the steps in flight have answered: its tokens and their picks.
+    pub fn planned_len(&self) -> usize {
+        self.tokens.len() + self.in_flight
+    }
+
+    /// Tokens whose KV still has to be computed, the picks in flight counted as tokens; none
+    /// once a pick in flight is the last it may make.
     pub fn pending(&self) -> usize {
-        self.tokens.len() - self.computed
+        if self.in_flight > 0 && self.generated() + self.in_flight >= self.max_new {
+            return 0;
+        }
+        self.planned_len() - self.computed
+    }
+
+    /// What steps in flight picked or computed for it no longer counts.
+    pub fn forget_in_flight(&mut self) {
+        self.in_flight = 0;
+        self.epoch = self.epoch.wrapping_add(1);
     }
 
     /// Whether the caller has gone away (and with it, maybe, [`Job::stopped_by_caller`]).

@@ -69,6 +69,8 @@ pub struct SchedulerConfig {
     pub save_tier: Tier,
     /// Speculative decoding: drafts by prompt lookup, verified in the steps.
     pub speculative: policy::SpeculativeConfig,
+    /// Plan a step while the one before it runs ([`Scheduler::can_plan_ahead`]).
+    pub overlap: bool,
     pub salt: PrefixSalt,
     /// Seeds back-off jitter, so tests replay exactly.
     pub seed: u64,
@@ -92,6 +94,8 @@ pub struct SchedulerStats {
     pub multi_steps: u64,
     /// Of those, the ones a request's arrival or cancellation cut short.
     pub multi_steps_cut_short: u64,
+    /// Steps sent to the engine while the one before them was still running.
+    pub planned_ahead: u64,
     /// Steps that found nothing to do. Each was started on a readiness that was wrong; the
     /// loop then waits for the next event instead of spinning.
     pub idle_steps: u64,
@@ -171,6 +175,17 @@ pub struct Scheduler {
     /// Deferred to the next step's store exchange.
     follow_ups: Vec<StoreFollowUp>,
     draft: Option<Draft>,
+    /// Steps sent to the engine, oldest first, waiting for their answers: at most two, the
+    /// second planned while the first ran ([`Scheduler::can_plan_ahead`]).
+    sent: VecDeque<Draft>,
+    next_step_id: u64,
+    /// Requests gone whose samplers the engine keeps, with their slots: it drops them with
+    /// the next step.
+    forget: Vec<(u32, RequestId)>,
+    /// Sampler slots free for the next request to pick its first token (after `forget`
+    /// has cleared them at the engine: both go out with the same step, forgets first).
+    free_sampler_slots: Vec<u32>,
+    sampler_slots: u32,
     /// Row buffers of past steps, refilled instead of reallocated.
     spare_rows: Vec<engine::backend::RowPlan>,
     /// Pages nobody holds or is promised, as the pool last said; admission stops at the first
@@ -212,6 +227,11 @@ impl Scheduler {
             truncates: Vec::new(),
             follow_ups: Vec::new(),
             draft: None,
+            sent: VecDeque::new(),
+            next_step_id: 0,
+            forget: Vec::new(),
+            free_sampler_slots: Vec::new(),
+            sampler_slots: 0,
             spare_rows: Vec::new(),
             available_pages: config.total_pages,
             stats: SchedulerStats::default(),
@@ -368,6 +388,7 @@ impl Scheduler {
             let job = self.queue.remove(index).expect("position is in range");
             self.stats.cancelled += 1;
             self.release_forks(id);
+            self.retire(&job);
             job.cancel();
         } else if let Some(job) = self.running.iter_mut().find(|j| j.id == id) {
             job.cancelled = true;
@@ -384,12 +405,13 @@ impl Scheduler {
     pub fn cut_all(&mut self) -> usize {
         self.draining = true;
         let queued = self.queue.len();
-        for job in self.queue.drain(..) {
+        for job in std::mem::take(&mut self.queue) {
             tracing::warn!(
                 request = job.id.0,
                 "cut at shutdown while queued ({} prompt tokens)",
                 job.prompt_len
             );
+            self.retire(&job);
             job.fail(ServeError::ShuttingDown);
         }
         self.stats.failed += queued as u64;
@@ -398,6 +420,59 @@ impl Scheduler {
             job.cut = true;
         }
         queued + self.running.len()
+    }
+
+    /// Whether the next step may be planned now, while the one sent last runs: overlapping
+    /// is on and `decode_steps` is 1 (the two are alternatives), exactly one step is in
+    /// flight, it runs one decode step a row and verifies no draft (so its rows' outcomes are
+    /// one pick each, which the next step's rows can start from unseen), and no request is
+    /// being given drafts (a draft is proposed from known tokens).
+    pub fn can_plan_ahead(&self) -> bool {
+        self.config.overlap
+            && self.config.decode_steps <= 1
+            && self.draft.is_none()
+            && self.sent.len() == 1
+            && self.sent.iter().all(|step| step.plain)
+            && !self.speculating()
+    }
+
+    /// Steps sent to the engine that have not answered.
+    pub fn steps_in_flight(&self) -> usize {
+        self.sent.len()
+    }
+
+    /// The number of the oldest step in flight: the next answer to apply is its.
+    pub fn oldest_in_flight(&self) -> Option<u64> {
+        self.sent.front().map(|step| step.id)
+    }
+
+    /// Whether drafts are proposed now: prompt lookup is on and few enough requests run.
+    fn speculating(&self) -> bool {
+        let spec = &self.config.speculative;
+        let requests = self.running.iter().filter(|j| !j.closing).count();
+        spec.method == policy::SpeculativeMethod::PromptLookup && requests <= spec.max_batch
+    }
+
+    /// Notes that `job` is gone for good: the engine's copy of its sampler, if it has one, is
+    /// dropped with the next step.
+    fn retire(&mut self, job: &Job) {
+        if let Some(slot) = job.sampler_slot {
+            self.forget.push((slot, job.id));
+            self.free_sampler_slots.push(slot);
+        }
+    }
+
+    /// A slot for a sampler the engine is to keep.
+    fn sampler_slot(&mut self) -> u32 {
+        self.free_sampler_slots.pop().unwrap_or_else(|| {
+            self.sampler_slots += 1;
+            self.sampler_slots - 1
+        })
+    }
+
+    /// Requests whose samplers the engine is yet to be told to drop (tests).
+    pub fn samplers_to_forget(&self) -> Vec<RequestId> {
+        self.forget.iter().map(|&(_, id)| id).collect()
     }
 
     /// Whether a step could do something now, and else when one could.

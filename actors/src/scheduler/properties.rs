@@ -3,19 +3,22 @@
 //! strings, failed engine steps, prefixes kept and snapshots discarded by an operator, bytes
 //! of stored snapshots going bad, and a pool and snapshot tiers (a disk tier among them) too
 //! small for the load, under both reservation policies, driven through the real pool, store,
-//! engine actor and CPU backend. After every step:
+//! engine actor and CPU backend, one step at a time or as the `Admission` actor overlaps them
+//! (the next step planned before the one in flight answers). After every step:
 //!
 //! - no request has more than one terminal event, and nothing follows it;
 //! - the pool's free and used pages add up to its size, and its used pages are exactly those
 //!   of the running jobs plus the slots waiting to be released;
 //! - once the store has taken the last step's outcomes, its snapshots' backings and files (a
-//!   moving snapshot's source included) are exactly the engine's, and none is half-saved.
+//!   moving snapshot's source included) are exactly the engine's, and none is half-saved;
+//! - every sampler the engine keeps is a request's that is queued or running, or one the
+//!   scheduler is yet to tell it to drop.
 //!
 //! And once everything has ended: every request still listened to got exactly one terminal
-//! event, every submitted request was counted exactly once, no page is held, and nothing is
-//! left `Demoting`.
+//! event, every submitted request was counted exactly once, no page is held, nothing is left
+//! `Demoting`, and the engine keeps no sampler.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -31,9 +34,9 @@ use policy::Policies;
 use proptest::prelude::*;
 use proptest::sample::Index;
 
-use super::tests::drive_step;
+use super::tests::{drive_step, plan_step};
 use super::{Scheduler, StepOutcome};
-use crate::engine::Engine;
+use crate::engine::{Engine, EngineStepReply};
 use crate::kv_pool::KvPool;
 use crate::request::{Event, GenerateRequest, RequestId, RequestStream};
 use crate::snapshot_store::SnapshotStore;
@@ -127,6 +130,8 @@ struct Setup {
     device_snapshot_pages: u64,
     host_snapshot_pages: u64,
     disk_snapshot_pages: u64,
+    /// Steps overlap as the `Admission` actor runs them.
+    overlap: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -164,9 +169,10 @@ fn setup() -> impl Strategy<Value = Setup> {
         0u64..6,
         0u64..4,
         prop_oneof![Just(0u64), 1u64..8],
+        any::<bool>(),
     )
         .prop_map(
-            |(pages, optimistic, max_running, budget, steps, dev, host, disk)| Setup {
+            |(pages, optimistic, max_running, budget, steps, dev, host, disk, overlap)| Setup {
                 pages,
                 optimistic,
                 max_running,
@@ -175,6 +181,7 @@ fn setup() -> impl Strategy<Value = Setup> {
                 device_snapshot_pages: dev,
                 host_snapshot_pages: host,
                 disk_snapshot_pages: disk,
+                overlap,
             },
         )
 }
@@ -221,6 +228,13 @@ struct World {
     fail_next: Arc<AtomicBool>,
     listeners: Vec<Listener>,
     ids: Vec<RequestId>,
+    overlap: bool,
+    /// With overlap: the answers of the steps sent, which the engine ran as they were sent
+    /// (it runs steps in order), not yet given to the scheduler.
+    in_flight: VecDeque<EngineStepReply>,
+    /// The last plan found nothing to do: as the actor does, wait for the answer in flight
+    /// (or a new request) before planning again.
+    stalled: bool,
 }
 
 impl World {
@@ -285,6 +299,9 @@ impl World {
             fail_next,
             listeners: Vec::new(),
             ids: Vec::new(),
+            overlap: setup.overlap,
+            in_flight: VecDeque::new(),
+            stalled: false,
         }
     }
 
@@ -323,16 +340,98 @@ impl World {
     /// One step as the `Admission` actor drives it, checking the store against the engine
     /// once the last step's outcomes are in the store, and the pages and events after it.
     fn step(&mut self) -> StepOutcome {
-        let (scheduler, pool, store, engine) = (
-            &mut self.scheduler,
-            &mut self.pool,
-            &mut self.store,
-            &mut self.engine,
-        );
-        let (_, outcome) = drive_step(scheduler, pool, store, engine, check_backings);
+        let outcome = if self.overlap {
+            self.overlapped_event()
+        } else {
+            let (scheduler, pool, store, engine) = (
+                &mut self.scheduler,
+                &mut self.pool,
+                &mut self.store,
+                &mut self.engine,
+            );
+            drive_step(scheduler, pool, store, engine, check_backings).1
+        };
         self.check_pages();
+        self.check_samplers();
         self.read_events();
         outcome
+    }
+
+    /// What the `Admission` actor does next with overlap: plans a step if one may be planned
+    /// (none in flight, or the scheduler may plan ahead of the one that is), else applies the
+    /// oldest answer.
+    fn overlapped_event(&mut self) -> StepOutcome {
+        let may_plan = match self.in_flight.len() {
+            0 => true,
+            1 => self.scheduler.can_plan_ahead(),
+            _ => false,
+        };
+        let now = Instant::now();
+        if may_plan && !self.stalled && self.scheduler.readiness(now).0 {
+            // The store and the engine agree only when no step is in flight.
+            let settled = self.in_flight.is_empty();
+            let (scheduler, pool, store, engine) = (
+                &mut self.scheduler,
+                &mut self.pool,
+                &mut self.store,
+                &mut self.engine,
+            );
+            let between = |store: &SnapshotStore, engine: &Engine, freeing: &[BackingId]| {
+                if settled {
+                    check_backings(store, engine, freeing);
+                }
+            };
+            match plan_step(scheduler, pool, store, engine, between) {
+                Some(step) => {
+                    self.in_flight.push_back(self.engine.run(step));
+                    return StepOutcome {
+                        ready: true,
+                        wake_at: None,
+                    };
+                }
+                None => {
+                    let outcome = self.scheduler.finish_step(None, Instant::now());
+                    self.stalled = !outcome.ready;
+                    return StepOutcome {
+                        ready: outcome.ready || !self.in_flight.is_empty(),
+                        ..outcome
+                    };
+                }
+            }
+        }
+        self.stalled = false;
+        match self.in_flight.pop_front() {
+            Some(reply) => {
+                let outcome = self.scheduler.finish_step(Some(reply), Instant::now());
+                StepOutcome {
+                    ready: outcome.ready || !self.in_flight.is_empty(),
+                    ..outcome
+                }
+            }
+            None => {
+                let (_, wake_at) = self.scheduler.readiness(now);
+                StepOutcome {
+                    ready: false,
+                    wake_at,
+                }
+            }
+        }
+    }
+
+    /// Every sampler the engine keeps is a queued or running request's, or one it is yet to
+    /// be told to drop.
+    fn check_samplers(&self) {
+        let scheduler = &self.scheduler;
+        let known: BTreeSet<RequestId> = scheduler
+            .running
+            .iter()
+            .chain(&scheduler.queue)
+            .map(|job| job.id)
+            .chain(scheduler.samplers_to_forget().iter().copied())
+            .collect();
+        for id in self.engine.kept_samplers() {
+            assert!(known.contains(&id), "the engine keeps a sampler for {id:?}");
+        }
     }
 
     /// Steps while the scheduler says one can run, waiting out back-offs, up to `max`.
@@ -396,6 +495,7 @@ impl World {
     }
 
     fn apply(&mut self, op: &Op) {
+        self.stalled = false;
         match op {
             Op::Submit {
                 prefix,
@@ -467,8 +567,14 @@ impl World {
             // `running` holds finished jobs saving their reply too, until they are released.
             let closing = self.scheduler.running.len();
             if stats.queued + closing == 0 && self.scheduler.demotions_in_flight == 0 {
+                while !self.in_flight.is_empty() {
+                    self.step();
+                }
                 // One more step hands the store the outcomes of the last.
                 self.step();
+                while !self.in_flight.is_empty() {
+                    self.step();
+                }
                 return;
             }
             self.run_steps(1);
@@ -501,6 +607,11 @@ impl World {
         }
         check_backings(&self.store, &self.engine, &[]);
         assert_eq!(self.engine.demotions_in_flight(), 0);
+        assert_eq!(
+            self.engine.kept_samplers(),
+            Vec::new(),
+            "samplers left behind"
+        );
     }
 }
 
@@ -527,7 +638,7 @@ fn check_backings(store: &SnapshotStore, engine: &Engine, freeing: &[BackingId])
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: 64,
+        cases: 128,
         failure_persistence: None,
         ..ProptestConfig::default()
     })]

@@ -13,15 +13,14 @@ use cache::{
     SaveStart, SnapshotId, Tier, page_clones,
 };
 use engine::backend::{LogitsWanted, RowPlan, StepPlan};
-use engine::sampling::Sampler;
 use policy::{BackoffStep, OnExhausted, ReservationPolicy};
 
 use super::Scheduler;
 use super::job::{Job, Slot};
 use crate::error::ServeError;
 use crate::exchange::{
-    EngineStep, EngineStepReply, PoolOp, PoolReply, RestoreCopy, RestoreFault, SampledTokens,
-    SaveCopy, StoreOp, StoreReply,
+    EngineStep, EngineStepReply, Pick, PickOutcome, PoolOp, PoolReply, RestoreCopy, RestoreFault,
+    RowRequest, SampledTokens, SaveCopy, StoreOp, StoreReply,
 };
 use crate::request::{FinishReason, RequestId};
 
@@ -41,6 +40,8 @@ struct Row {
     declined: bool,
     /// Dropped when the pool could not extend the job.
     live: bool,
+    /// It picks its job's next token (set when the step is sent).
+    samples: bool,
 }
 
 impl Row {
@@ -54,6 +55,7 @@ impl Row {
             draft_at: 0,
             declined: false,
             live: true,
+            samples: false,
         }
     }
 
@@ -171,7 +173,19 @@ pub(super) struct Draft {
     /// Jobs swept and operations sent to the store and the pool so far: a step with none and
     /// no engine step changed nothing.
     changes: usize,
+    /// Once sent: its number, which the engine's answer carries.
+    pub(super) id: u64,
+    /// Once sent: every running job's id and epoch, by index, to find them again when the
+    /// answer comes (jobs may have left `running` meanwhile).
+    refs: Vec<(RequestId, u32)>,
+    /// It runs one decode step a row and verifies no draft: the next step may be planned
+    /// before it answers.
+    pub(super) plain: bool,
 }
+
+/// The index of a job that left `running` (or whose epoch moved on) while a step naming it
+/// ran: `running.get` finds nothing there.
+const GONE: usize = usize::MAX;
 
 /// What the step left for the driver to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -251,7 +265,11 @@ impl Scheduler {
         }
         waiting.extend(self.queue.drain(..));
         self.queue = waiting;
-        if draft.candidates.is_empty() && draft.forks.is_empty() && self.queue.is_empty() {
+        // Several decode steps in one are planned only when no step is in flight: their rows
+        // must start from known tokens.
+        let nothing_waits =
+            draft.candidates.is_empty() && draft.forks.is_empty() && self.queue.is_empty();
+        if nothing_waits && self.sent.is_empty() {
             self.plan_decode_steps(&mut draft.rows);
         }
         draft.changes += ops.len() + draft.forks.len();
@@ -311,7 +329,7 @@ impl Scheduler {
             row.end - row.start == 1
                 && row.draft == 0
                 && row.end == job.tokens.len()
-                && job.sampler.as_ref().is_some_and(|s| !s.reads_history())
+                && !job.params.reads_history()
         });
         if k <= 1 || rows.is_empty() || !pure_decode {
             return;
@@ -368,6 +386,7 @@ impl Scheduler {
             let mut job = self.running.remove(index);
             swept += 1;
             self.release_forks(job.id);
+            self.retire(&job);
             if let Some(slot) = job.slot.take() {
                 self.releases.push(slot.handle);
             }
@@ -391,11 +410,16 @@ impl Scheduler {
         let before = self.queue.len();
         let stats = &mut self.stats;
         let mut gone = Vec::new();
+        let (forget, free) = (&mut self.forget, &mut self.free_sampler_slots);
         self.queue.retain(|job| {
             if !job.abandoned() {
                 return true;
             }
             gone.push(job.id);
+            if let Some(slot) = job.sampler_slot {
+                forget.push((slot, job.id));
+                free.push(slot);
+            }
             // A preempted job waits here with text already sent: its caller may have stopped it.
             if job.stopped_by_caller() {
                 stats.finished += 1;
@@ -453,8 +477,7 @@ impl Scheduler {
     /// pick one token a step.
     fn plan_drafts(&self, rows: &mut [Row], drafted: &mut Vec<u32>, mut budget: usize) {
         let spec = &self.config.speculative;
-        let requests = self.running.iter().filter(|j| !j.closing).count();
-        if spec.method != policy::SpeculativeMethod::PromptLookup || requests > spec.max_batch {
+        if !self.speculating() || !self.sent.is_empty() {
             return;
         }
         let pt = self.config.page_tokens;
@@ -478,7 +501,7 @@ impl Scheduler {
         for (r, row) in rows.iter().enumerate() {
             let job = &self.running[row.job];
             let at_end = row.end == job.tokens.len();
-            let plain = job.sampler.as_ref().is_some_and(|s| !s.reads_history());
+            let plain = !job.params.reads_history();
             let room = (job.max_new - job.generated())
                 .saturating_sub(1)
                 .min(self.limit.tokens.saturating_sub(row.end));
@@ -850,6 +873,8 @@ impl Scheduler {
         if job.generated() > 0 || whole_pages == 0 || hit.tokens != whole_pages * pt {
             return None;
         }
+        // A sampler the engine holds has picked for this request before.
+        job.sampler.as_ref()?;
         if hit.tier == Tier::Disk {
             return None;
         }
@@ -959,6 +984,7 @@ impl Scheduler {
     pub fn plan_engine(&mut self, replies: Vec<StoreReply>) -> Option<EngineStep> {
         let mut draft = self.draft.take().expect("plan_store ran");
         let mut step = EngineStep {
+            id: 0,
             evictions: std::mem::take(&mut draft.freed),
             promotions: Vec::new(),
             restores: Vec::new(),
@@ -968,7 +994,8 @@ impl Scheduler {
                 .map(|(_, _, clones)| std::mem::take(clones))
                 .collect(),
             plan: StepPlan::default(),
-            samplers: Vec::new(),
+            rows: Vec::new(),
+            forget: Vec::new(),
             row_steps: Vec::new(),
             drafts: Vec::new(),
             saves: Vec::new(),
@@ -980,10 +1007,16 @@ impl Scheduler {
         for (purpose, reply) in purposes.into_iter().zip(replies) {
             self.apply_store_reply(&mut draft, &mut step, purpose, reply);
         }
-        for (r, row) in draft.rows.iter().enumerate().filter(|(_, row)| row.live) {
+        for r in 0..draft.rows.len() {
+            let row = draft.rows[r];
+            if !row.live {
+                continue;
+            }
             let job = &mut self.running[row.job];
-            let sample = row.end == job.tokens.len();
-            let slot = job.slot.as_mut().expect("running jobs hold a slot");
+            let sample = row.end == job.planned_len();
+            // Its one token is the pick of the step in flight, which the engine fills in.
+            let follows = row.start == job.tokens.len();
+            let slot = job.slot.as_ref().expect("running jobs hold a slot");
             let mut plan_row = self.spare_rows.pop().unwrap_or_else(|| RowPlan {
                 tokens: Vec::new(),
                 start_pos: 0,
@@ -991,14 +1024,19 @@ impl Scheduler {
                 logits: LogitsWanted::None,
             });
             plan_row.tokens.clear();
-            plan_row
-                .tokens
-                .extend_from_slice(&job.tokens[row.start..row.end]);
+            if follows {
+                plan_row.tokens.push(0);
+            } else {
+                plan_row
+                    .tokens
+                    .extend_from_slice(&job.tokens[row.start..row.end]);
+            }
             plan_row
                 .tokens
                 .extend_from_slice(&draft.drafted[row.draft_at..row.draft_at + row.draft]);
-            // Lent for the step and handed back with the reply: no copy of the page table.
-            plan_row.pages = std::mem::take(&mut slot.pages);
+            // Copied, not lent: the next step may be planned before this one answers.
+            plan_row.pages.clear();
+            plan_row.pages.extend_from_slice(&slot.pages);
             plan_row.start_pos = row.start;
             plan_row.logits = match (sample, row.draft) {
                 (false, _) => LogitsWanted::None,
@@ -1006,23 +1044,46 @@ impl Scheduler {
                 (true, _) => LogitsWanted::All,
             };
             step.plan.rows.push(plan_row);
-            let mut sampler = sample.then(|| {
-                job.sampler
-                    .take()
-                    .expect("the sampler is home between steps")
-            });
-            if let Some(sampler) = sampler.as_mut()
-                && job.generated() == 0
+            let mut keep_logits = false;
+            if sample
+                && job.generated() + job.in_flight == 0
                 && self.prompt_logits.keeps(self.config.vocab_size)
                 && prompt_whole_in_store(job, row.job, &draft.saves, self.config.page_tokens)
             {
                 let key = job.prompt_key(&self.hasher);
                 if !self.prompt_logits.contains(&key) {
                     job.keep_logits_as = Some(key);
-                    sampler.keep_next_logits();
+                    keep_logits = true;
                 }
             }
-            step.samplers.push(sampler);
+            let pick = if sample {
+                let slot = match job.sampler_slot {
+                    Some(slot) => slot,
+                    None => {
+                        let slot = self.sampler_slot();
+                        self.running[row.job].sampler_slot = Some(slot);
+                        slot
+                    }
+                };
+                let job = &mut self.running[row.job];
+                Some(Pick {
+                    slot,
+                    sampler: job.sampler.take(),
+                    follows,
+                    keep_logits,
+                })
+            } else {
+                None
+            };
+            let job = &mut self.running[row.job];
+            step.rows.push(RowRequest {
+                request: job.id,
+                pick,
+            });
+            // Counted now, so that the next step can be planned before this one answers.
+            job.computed = row.end;
+            job.in_flight += sample as usize;
+            draft.rows[r].samples = sample;
             if multi_step {
                 step.row_steps.push(row.steps);
             }
@@ -1038,9 +1099,21 @@ impl Scheduler {
             && step.forks.is_empty()
             && step.saves.is_empty()
             && step.evictions.is_empty();
-        self.draft = Some(draft);
-        // An empty step still collects the demotions that landed.
-        (!idle || self.demotions_in_flight > 0).then_some(step)
+        // An empty step still collects the demotions that landed, and has the engine drop
+        // the samplers of requests that ended (each may hold a vocabulary-sized buffer).
+        if idle && self.demotions_in_flight == 0 && self.forget.is_empty() {
+            self.draft = Some(draft);
+            return None;
+        }
+        step.forget = std::mem::take(&mut self.forget);
+        step.id = self.next_step_id;
+        draft.id = self.next_step_id;
+        self.next_step_id += 1;
+        draft.plain = !multi_step && !verify;
+        self.stats.planned_ahead += !self.sent.is_empty() as u64;
+        draft.refs = self.running.iter().map(|job| (job.id, job.epoch)).collect();
+        self.sent.push_back(draft);
+        Some(step)
     }
 
     fn apply_store_reply(
@@ -1167,7 +1240,22 @@ impl Scheduler {
     /// the next one starts when a message or a back-off's end changes something, so no state
     /// can make the loop spin.
     pub fn finish_step(&mut self, reply: Option<EngineStepReply>, now: Instant) -> StepOutcome {
-        let mut draft = self.draft.take().expect("plan_engine ran");
+        let mut draft = match &reply {
+            Some(reply) => {
+                assert!(
+                    self.draft.is_none(),
+                    "a step answers between plans, not during one"
+                );
+                let draft = self.sent.pop_front().expect("an answer is to a step sent");
+                assert_eq!(
+                    draft.id, reply.id,
+                    "answers come in the order steps were sent"
+                );
+                draft
+            }
+            None => self.draft.take().expect("plan_engine ran"),
+        };
+        self.rebase(&mut draft);
         self.stats.steps += 1;
         self.next_poll = now + super::DEMOTION_POLL;
         let did_work = draft.changes > 0 || reply.is_some();
@@ -1198,6 +1286,7 @@ impl Scheduler {
                 .map(|(index, error)| (*index, End::Failed(error.clone()))),
         );
         ended.append(&mut draft.first_ends);
+        ended.retain(|(index, _)| *index != GONE);
         self.remove_ended(ended, &draft.preempting, &draft.closed, now);
         let (ready, wake_at) = self.readiness(now);
         if !did_work {
@@ -1209,24 +1298,68 @@ impl Scheduler {
         }
     }
 
+    /// Moves the job indices of a step sent earlier to where those jobs are now in `running`;
+    /// the jobs that left it since, or whose epoch moved on, become [`GONE`] (and leave the
+    /// lists that only name jobs).
+    fn rebase(&self, draft: &mut Draft) {
+        if draft.refs.is_empty() {
+            return;
+        }
+        let now = self.current_indices(&draft.refs);
+        let at = |index: usize| now.get(index).copied().flatten().unwrap_or(GONE);
+        for row in &mut draft.rows {
+            row.job = at(row.job);
+        }
+        for (index, _) in &mut draft.restores {
+            *index = at(*index);
+        }
+        for (index, leader, _) in &mut draft.fork_copies {
+            *index = at(*index);
+            *leader = at(*leader);
+        }
+        for (index, ..) in &mut draft.saves {
+            *index = at(*index);
+        }
+        for (index, _) in &mut draft.failing {
+            *index = at(*index);
+        }
+        for (index, _) in &mut draft.first_ends {
+            *index = at(*index);
+        }
+        for index in draft.preempting.iter_mut().chain(&mut draft.closed) {
+            *index = at(*index);
+        }
+        draft.preempting.retain(|&index| index != GONE);
+        draft.closed.retain(|&index| index != GONE);
+    }
+
+    /// Where each job of `refs` (`running` as it was) is now, if it is still there at the
+    /// same epoch. Jobs only leave `running` or join at its end, so those still there keep
+    /// their order: one walk finds them.
+    fn current_indices(&self, refs: &[(RequestId, u32)]) -> Vec<Option<usize>> {
+        let mut next = 0;
+        refs.iter()
+            .map(|&(id, epoch)| {
+                let job = self.running.get(next).filter(|job| job.id == id)?;
+                next += 1;
+                (job.epoch == epoch).then_some(next - 1)
+            })
+            .collect()
+    }
+
     fn apply_engine_reply(
         &mut self,
         draft: &mut Draft,
         mut reply: EngineStepReply,
         ended: &mut Vec<(usize, End)>,
     ) {
-        for (&r, mut row) in draft.sent_rows.iter().zip(reply.plan.rows.drain(..)) {
-            let slot = self.running[draft.rows[r].job]
-                .slot
-                .as_mut()
-                .expect("running jobs hold a slot");
-            slot.pages = std::mem::take(&mut row.pages);
-            self.spare_rows.push(row);
-        }
+        self.spare_rows.append(&mut reply.plan.rows);
         let mut corrupt = Vec::new();
         for (&(index, snapshot), result) in draft.restores.iter().zip(reply.restores) {
             self.follow_ups.push(StoreFollowUp::FinishRestore(snapshot));
-            self.running[index].restoring = None;
+            if let Some(job) = self.running.get_mut(index) {
+                job.restoring = None;
+            }
             match result {
                 Ok(()) => {}
                 Err(RestoreFault::Corrupt { tier, .. }) => {
@@ -1234,19 +1367,22 @@ impl Scheduler {
                     if !corrupt.contains(&snapshot) {
                         corrupt.push(snapshot);
                     }
-                    draft.recompute.push(index);
+                    if index != GONE {
+                        draft.recompute.push(index);
+                    }
                 }
-                Err(e @ RestoreFault::Failed(_)) => ended.push((
+                Err(e @ RestoreFault::Failed(_)) if index != GONE => ended.push((
                     index,
                     End::Failed(ServeError::Engine(format!("restoring a snapshot: {e}"))),
                 )),
+                Err(RestoreFault::Failed(_)) => {}
             }
         }
         // After every restore of the step is unpinned.
         self.follow_ups
             .extend(corrupt.into_iter().map(StoreFollowUp::DropCorrupt));
         for &(index, leader, _) in &draft.fork_copies {
-            if draft.recompute.contains(&leader) {
+            if index != GONE && draft.recompute.contains(&leader) {
                 draft.recompute.push(index);
             }
         }
@@ -1254,7 +1390,9 @@ impl Scheduler {
             self.recompute(index);
         }
         for (&(index, _, _), result) in draft.fork_copies.iter().zip(reply.forks) {
-            if let Err(e) = result {
+            if let Err(e) = result
+                && index != GONE
+            {
                 let reason =
                     format!("copying the prompt's KV from the request's first choice: {e}");
                 ended.push((index, End::Failed(ServeError::Engine(reason))));
@@ -1299,30 +1437,34 @@ impl Scheduler {
                 StoreFollowUp::AbortDemotion(snapshot)
             });
         }
-        self.apply_forward(draft, reply.forward, reply.samplers, ended);
+        self.apply_forward(draft, reply.forward, reply.outcomes, ended);
         for ((index, kind, reservation), result) in std::mem::take(&mut draft.saves)
             .into_iter()
             .zip(reply.saves)
         {
+            let job = self.running.get_mut(index);
             match result {
                 Ok(()) => {
-                    if kind == SaveKind::Prompt {
-                        self.running[index].prompt_saved = true;
-                        self.running[index].prompt_stored = true;
+                    if let Some(job) = job
+                        && kind == SaveKind::Prompt
+                    {
+                        job.prompt_saved = true;
+                        job.prompt_stored = true;
                     }
                     self.follow_ups.push(StoreFollowUp::Commit(reservation));
                 }
                 Err(e) => {
                     tracing::warn!("snapshot save failed: {e}");
                     self.follow_ups.push(StoreFollowUp::Abort(reservation));
-                    if kind == SaveKind::Kept {
-                        let job = &mut self.running[index];
+                    if let Some(job) = job
+                        && kind == SaveKind::Kept
+                    {
                         job.usage.kept = None;
                         job.keep_failure = Some(format!("copying its KV failed: {e}"));
                     }
                 }
             }
-            if kind == SaveKind::Reply {
+            if kind == SaveKind::Reply && index != GONE {
                 draft.closed.push(index);
             }
         }
@@ -1332,26 +1474,43 @@ impl Scheduler {
         &mut self,
         draft: &Draft,
         forward: Result<SampledTokens, String>,
-        samplers: Vec<Option<Box<Sampler>>>,
+        outcomes: Vec<(usize, PickOutcome)>,
         ended: &mut Vec<(usize, End)>,
     ) {
-        for (&r, sampler) in draft.sent_rows.iter().zip(samplers) {
-            if let Some(sampler) = sampler {
-                self.running[draft.rows[r].job].sampler = Some(sampler);
+        let sent: Vec<(usize, Row)> = draft
+            .sent_rows
+            .iter()
+            .enumerate()
+            .map(|(p, &r)| (p, draft.rows[r]))
+            .filter(|(_, row)| row.job != GONE)
+            .collect();
+        // By plan row: what each pick left besides its tokens.
+        let mut left: Vec<Option<PickOutcome>> = Vec::new();
+        for (p, outcome) in outcomes {
+            if left.len() <= p {
+                left.resize_with(p + 1, || None);
             }
+            left[p] = Some(outcome);
         }
-        for &r in &draft.sent_rows {
-            let index = draft.rows[r].job;
-            let job = &mut self.running[index];
+        let mut left_by = |p: usize| left.get_mut(p).and_then(Option::take).unwrap_or_default();
+        let mut picks: Vec<(usize, Row, PickOutcome)> = Vec::with_capacity(sent.len());
+        for &(p, row) in &sent {
+            let job = &mut self.running[row.job];
+            // A job recomputing its prompt has forgotten every pick in flight already.
+            if !draft.recompute.contains(&row.job) {
+                job.in_flight -= row.samples as usize;
+            }
+            let mut outcome = left_by(p);
+            let kept = outcome.kept_logits.take();
+            picks.push((p, row, outcome));
             let Some(key) = job.keep_logits_as.take() else {
                 continue;
             };
-            let kept = job.sampler.as_mut().and_then(|s| s.take_kept_logits());
             // Logits over KV that did not arrive (a failed or corrupt restore) are not the
             // prompt's.
             let trusted = forward.is_ok()
-                && !draft.recompute.contains(&index)
-                && !ended.iter().any(|(i, _)| *i == index);
+                && !draft.recompute.contains(&row.job)
+                && !ended.iter().any(|(i, _)| *i == row.job);
             if let Some(kept) = kept.filter(|_| trusted) {
                 self.prompt_logits.insert(key, kept.into());
             }
@@ -1359,11 +1518,8 @@ impl Scheduler {
         let sampled = match forward {
             Ok(sampled) => sampled,
             Err(e) => {
-                for &r in &draft.sent_rows {
-                    ended.push((
-                        draft.rows[r].job,
-                        End::Failed(ServeError::Engine(e.clone())),
-                    ));
+                for (_, row, _) in &picks {
+                    ended.push((row.job, End::Failed(ServeError::Engine(e.clone()))));
                 }
                 return;
             }
@@ -1373,8 +1529,7 @@ impl Scheduler {
             draft.sent_rows.len(),
             "one row of tokens per row"
         );
-        for (p, &r) in draft.sent_rows.iter().enumerate() {
-            let row = draft.rows[r];
+        for (p, row, mut outcome) in picks {
             if ended.iter().any(|(index, _)| *index == row.job)
                 || draft.recompute.contains(&row.job)
             {
@@ -1383,22 +1538,18 @@ impl Scheduler {
                 continue;
             }
             let tokens = sampled.row(p);
-            // Each decode step after the first computed the token the one before sampled.
-            self.running[row.job].computed = row.end + tokens.len().saturating_sub(1);
             let job = &mut self.running[row.job];
-            let sampler = job.sampler.as_mut().expect("returned above");
-            let mut logprobs = sampler.take_logprobs();
-            if let Some(failure) = sampler.failure() {
+            // Each decode step after the first computed the token the one before sampled.
+            job.computed += tokens.len().saturating_sub(1);
+            if let Some(failure) = outcome.failure.take() {
                 // This step's picks were not held to the grammar: none of them is delivered.
-                let error = ServeError::Grammar(failure.to_owned());
-                ended.push((row.job, End::Failed(error)));
+                ended.push((row.job, End::Failed(ServeError::Grammar(failure))));
                 continue;
             }
+            let mut logprobs = std::mem::take(&mut outcome.logprobs);
             let before = job.tokens.len();
             for &token in tokens {
-                let job = &mut self.running[row.job];
-                job.sampler.as_mut().expect("returned above").accept(token);
-                job.tokens.push(token);
+                self.running[row.job].tokens.push(token);
                 if let Some(reason) = self.stop_reason(row.job, token) {
                     ended.push((row.job, End::Finished(reason)));
                     break;
@@ -1433,7 +1584,7 @@ impl Scheduler {
     fn trim(&mut self, index: usize) {
         let pt = self.config.page_tokens;
         let job = &mut self.running[index];
-        let tokens = job.tokens.len();
+        let tokens = job.planned_len();
         let slot = job.slot.as_mut().expect("running jobs hold a slot");
         if slot.held_tokens <= tokens {
             return;
@@ -1468,6 +1619,7 @@ impl Scheduler {
             .saturating_sub(job.usage.cached_tokens as u64);
         job.usage.cached_tokens = 0;
         job.computed = 0;
+        job.forget_in_flight();
         // What it found stored was the corrupt snapshot: its prompt is saved anew.
         job.prompt_saved = false;
         job.prompt_stored = false;
@@ -1475,9 +1627,8 @@ impl Scheduler {
 
     fn stop_reason(&self, index: usize, token: u32) -> Option<FinishReason> {
         let job = &self.running[index];
-        let params = job.sampler.as_ref().expect("home after the step").params();
         let eos = &self.config.eos_token_ids;
-        engine::stop::finish_after(params, eos, token, job.generated(), job.max_new)
+        engine::stop::finish_after(&job.params, eos, token, job.generated(), job.max_new)
     }
 
     /// Removes ended, preempted and closed jobs from `running`, highest index first so the
@@ -1517,6 +1668,7 @@ impl Scheduler {
             if job.closing {
                 // Its finished event went out when it finished.
                 self.release_forks(job.id);
+                self.retire(&job);
                 continue;
             }
             match end {
@@ -1525,6 +1677,7 @@ impl Scheduler {
                     self.stats.preemptions += 1;
                     job.usage.preemptions += 1;
                     job.computed = 0;
+                    job.forget_in_flight();
                     job.backoff = policy::Backoff::new();
                     job.blocked_until = None;
                     requeue.push(job);
@@ -1552,6 +1705,8 @@ impl Scheduler {
         let job = &mut self.running[index];
         job.announce_finish(reason);
         job.closing = true;
+        // A step planned before it finished may have a row for it: that pick is not its.
+        job.forget_in_flight();
         let latency = now.saturating_duration_since(job.submitted_at);
         self.latency_ewma = (self.latency_ewma * 7 + latency) / 8;
         self.stats.finished += 1;
@@ -1559,6 +1714,7 @@ impl Scheduler {
 
     fn end(&mut self, mut job: Job, end: End, now: Instant) {
         self.release_forks(job.id);
+        self.retire(&job);
         let end = match end {
             End::Finished(_) if job.keep_prompt && job.usage.kept.is_none() => {
                 let why = job
@@ -1582,6 +1738,7 @@ impl Scheduler {
 
     fn end_failed(&mut self, job: Job, error: ServeError) {
         self.release_forks(job.id);
+        self.retire(&job);
         self.stats.failed += 1;
         job.fail(error);
     }

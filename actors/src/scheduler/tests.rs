@@ -119,6 +119,22 @@ pub(super) fn drive_step(
     engine: &mut Engine,
     between: impl FnOnce(&SnapshotStore, &Engine, &[cache::BackingId]),
 ) -> (Vec<(usize, usize)>, StepOutcome) {
+    let step = plan_step(scheduler, pool, store, engine, between);
+    let rows = step.as_ref().map_or_else(Vec::new, |s| rows_of(&s.plan));
+    let reply = step.map(|s| engine.run(s));
+    let outcome = scheduler.finish_step(reply, Instant::now());
+    (rows, outcome)
+}
+
+/// Plans one step as the `Admission` actor does (the store, pool and store exchanges) and
+/// returns its engine step; with none, the step waits for `finish_step(None)`.
+pub(super) fn plan_step(
+    scheduler: &mut Scheduler,
+    pool: &mut KvPool,
+    store: &mut SnapshotStore,
+    engine: &mut Engine,
+    between: impl FnOnce(&SnapshotStore, &Engine, &[cache::BackingId]),
+) -> Option<crate::exchange::EngineStep> {
     let now = Instant::now();
     let lookups = scheduler.begin_step(now);
     let replies: Vec<_> = lookups.into_iter().map(|op| store.apply(op)).collect();
@@ -138,11 +154,7 @@ pub(super) fn drive_step(
     let stats = pool.stats();
     let ops = scheduler.plan_store(replies, Some(stats), now);
     let replies = ops.into_iter().map(|op| store.apply(op)).collect();
-    let step = scheduler.plan_engine(replies);
-    let rows = step.as_ref().map_or_else(Vec::new, |s| rows_of(&s.plan));
-    let reply = step.map(|s| engine.run(s));
-    let outcome = scheduler.finish_step(reply, Instant::now());
-    (rows, outcome)
+    scheduler.plan_engine(replies)
 }
 
 fn rows_of(plan: &StepPlan) -> Vec<(usize, usize)> {
@@ -922,4 +934,190 @@ fn kept_logits_serve_only_the_same_whole_prompt_and_only_when_enabled() {
     let (_, steps, kept) = run_prompt(&mut off, &prompt, &greedy_exactly(2));
     assert_eq!((kept, steps[0].clone()), (0, vec![(64, 6)]));
     assert_eq!(off.scheduler.stats().kept_logits.rows, 0);
+}
+
+/// Steps driven as the `Admission` actor drives them with overlap: the next step is planned
+/// before the one in flight answers. The engine runs each step when it is sent (it runs them in
+/// order); its answer reaches the scheduler only after the next step was planned.
+struct Overlapped {
+    in_flight: std::collections::VecDeque<crate::exchange::EngineStepReply>,
+    /// The rows of each step the engine ran, in order.
+    rows: Vec<Vec<(usize, usize)>>,
+}
+
+impl Overlapped {
+    fn new() -> Self {
+        Overlapped {
+            in_flight: Default::default(),
+            rows: Vec::new(),
+        }
+    }
+
+    /// Plans as many steps ahead as the scheduler allows, then applies the oldest answer.
+    /// Returns false once nothing is in flight and nothing is to be done.
+    fn event(&mut self, h: &mut Harness) -> bool {
+        loop {
+            let may_plan = match self.in_flight.len() {
+                0 => true,
+                1 => h.scheduler.can_plan_ahead(),
+                _ => false,
+            };
+            if !may_plan || !h.scheduler.readiness(Instant::now()).0 {
+                break;
+            }
+            let (scheduler, pool, store, engine) =
+                (&mut h.scheduler, &mut h.pool, &mut h.store, &mut h.engine);
+            match plan_step(scheduler, pool, store, engine, |_, _, _| {}) {
+                Some(step) => {
+                    self.rows.push(rows_of(&step.plan));
+                    self.in_flight.push_back(h.engine.run(step));
+                }
+                None => {
+                    h.scheduler.finish_step(None, Instant::now());
+                    break;
+                }
+            }
+        }
+        match self.in_flight.pop_front() {
+            Some(reply) => {
+                h.scheduler.finish_step(Some(reply), Instant::now());
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Drives until nothing is in flight or to be done, at most `max` answers.
+    fn run(&mut self, h: &mut Harness, max: usize) {
+        for _ in 0..max {
+            if !self.event(h) {
+                return;
+            }
+        }
+        panic!("still stepping after {max} answers");
+    }
+}
+
+/// Greedy prompts of several lengths, each generating exactly `max_tokens`.
+fn mixed_prompts(h: &mut Harness, max_tokens: usize) -> Vec<RequestStream> {
+    [5usize, 21, 40, 3]
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            let prompt = (0..len as u32)
+                .map(|t| 3 + (t * 7 + i as u32) % 200)
+                .collect();
+            h.submit_exactly(prompt, max_tokens)
+        })
+        .collect()
+}
+
+fn collect(streams: &mut [RequestStream]) -> Vec<(Vec<u32>, Option<Event>)> {
+    streams.iter_mut().map(tokens).collect()
+}
+
+#[test]
+fn steps_planned_ahead_give_the_tokens_of_steps_one_at_a_time() {
+    let toml = "[admission]\nmax_running = 4\nstep_token_budget = 16\n";
+    let mut alone = Harness::new(64, toml);
+    let mut streams = mixed_prompts(&mut alone, 20);
+    for _ in 0..200 {
+        if !alone.step_outcome().1.ready {
+            break;
+        }
+    }
+    let expected = collect(&mut streams);
+    assert_eq!(alone.scheduler.stats().planned_ahead, 0);
+
+    let mut ahead = Harness::new(64, toml);
+    let mut streams = mixed_prompts(&mut ahead, 20);
+    let mut driver = Overlapped::new();
+    driver.run(&mut ahead, 200);
+    assert_eq!(collect(&mut streams), expected);
+    for (tokens, end) in &expected {
+        assert_eq!(tokens.len(), 20);
+        assert!(matches!(end, Some(Event::Finished { .. })), "{end:?}");
+    }
+    let stats = ahead.scheduler.stats();
+    assert!(
+        stats.planned_ahead > 20,
+        "decode steps were planned ahead: {stats:?}"
+    );
+    // Every running job's last pick was in flight when the next step was planned: a row
+    // that starts from it ran, and nothing was computed twice.
+    let computed: usize = driver.rows.iter().flatten().map(|&(_, n)| n).sum();
+    assert_eq!(computed, 5 + 21 + 40 + 3 + 4 * 19);
+    assert_eq!(ahead.pool.stats().used_pages, 0);
+}
+
+#[test]
+fn a_stop_seen_after_the_next_step_was_planned_ends_the_request_there() {
+    let prompt: Vec<u32> = (0..12u32).map(|t| 3 + (t * 11) % 200).collect();
+    let mut alone = Harness::new(64, "");
+    let mut stream = alone.submit_exactly(prompt.clone(), 8);
+    for _ in 0..50 {
+        if !alone.step_outcome().1.ready {
+            break;
+        }
+    }
+    let (free_run, _) = tokens(&mut stream);
+    assert_eq!(free_run.len(), 8);
+
+    // Stop on the third token: the step after it was planned before it was seen.
+    let stop = free_run[2];
+    let first_stop = free_run.iter().position(|&t| t == stop).unwrap();
+    let mut h = Harness::new(64, "");
+    let params = SamplingParams {
+        max_tokens: 8,
+        ignore_eos: true,
+        stop_token_ids: vec![stop],
+        ..SamplingParams::default()
+    };
+    let mut stream = h
+        .scheduler
+        .submit(GenerateRequest { prompt, params })
+        .unwrap();
+    let mut driver = Overlapped::new();
+    driver.run(&mut h, 50);
+    let (delivered, end) = tokens(&mut stream);
+    assert_eq!(delivered, free_run[..=first_stop]);
+    assert!(
+        matches!(
+            end,
+            Some(Event::Finished {
+                reason: crate::request::FinishReason::Stop,
+                ..
+            })
+        ),
+        "{end:?}"
+    );
+    // The row planned after the stop ran and its pick was dropped.
+    let decode_rows = driver.rows.iter().flatten().filter(|r| r.1 == 1).count();
+    assert_eq!(decode_rows, first_stop + 1);
+    assert_eq!(h.pool.stats().used_pages, 0);
+    assert!(h.engine.kept_samplers().len() <= h.scheduler.samplers_to_forget().len());
+}
+
+#[test]
+fn a_request_cancelled_with_two_steps_in_flight_ends_once_and_gives_back_its_pages() {
+    let mut h = Harness::new(64, "");
+    let mut doomed = h.submit_exactly((3..30).collect(), 30);
+    let mut other = h.submit_exactly((5..20).collect(), 6);
+    let mut driver = Overlapped::new();
+    for _ in 0..4 {
+        assert!(driver.event(&mut h));
+    }
+    h.scheduler.cancel(doomed.id);
+    driver.run(&mut h, 100);
+    let (_, end) = tokens(&mut doomed);
+    assert_eq!(end, Some(Event::Cancelled));
+    assert_eq!(doomed.try_next(), None);
+    let (delivered, end) = tokens(&mut other);
+    assert_eq!(delivered.len(), 6);
+    assert!(matches!(end, Some(Event::Finished { .. })), "{end:?}");
+    assert_eq!(h.pool.stats().used_pages, 0);
+    // The cancelled request's sampler is dropped with the next step the engine runs.
+    h.submit_exactly(vec![3, 4, 5], 1);
+    driver.run(&mut h, 10);
+    assert_eq!(h.engine.kept_samplers(), Vec::new());
 }
