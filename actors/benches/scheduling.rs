@@ -10,7 +10,9 @@
 //! with `DECODE_STEPS=1,4`; batch sizes with `BATCHES=1,32,256`): with 8, one scheduler step
 //! hands the engine up to 8 decode steps. Callers read their streams as tokens arrive.
 //! Through the actors, with the next step planned while the engine runs the one before it
-//! (`[admission] overlap_steps`, the default) and without (`OVERLAP=on,off` picks).
+//! (`[admission] overlap_steps`, the default) and without (`OVERLAP=on,off` picks). The
+//! callers read their streams on the actors' thread, or with `READERS=thread` on a thread of
+//! their own, as a server's HTTP workers do.
 
 use std::time::{Duration, Instant};
 
@@ -195,9 +197,26 @@ fn measure_inline(batch: usize, decode_steps: usize) -> Duration {
 async fn measure(batch: usize, decode_steps: usize, overlap: bool) -> Duration {
     let (backend, config) = setup(batch, decode_steps, overlap);
     let handles = actors::start(Box::new(backend), config).unwrap();
+    let mut streams = Vec::new();
     for request in requests(batch) {
-        let mut stream = handles.submit(request).await.unwrap();
-        actix_rt::spawn(async move { while stream.next().await.is_some() {} });
+        streams.push(handles.submit(request).await.unwrap());
+    }
+    if std::env::var("READERS").is_ok_and(|r| r == "thread") {
+        std::thread::spawn(move || {
+            actix_rt::System::new().block_on(async move {
+                let readers: Vec<_> = streams
+                    .into_iter()
+                    .map(|mut s| actix_rt::spawn(async move { while s.next().await.is_some() {} }))
+                    .collect();
+                for reader in readers {
+                    let _ = reader.await;
+                }
+            })
+        });
+    } else {
+        for mut stream in streams {
+            actix_rt::spawn(async move { while stream.next().await.is_some() {} });
+        }
     }
     // Warm up until every sequence is decoding, then time a window of decode steps.
     let tokens_now = || async { handles.stats().await.scheduler.generated_tokens };
