@@ -145,14 +145,17 @@ async fn the_actors_serve_on_the_gpu() {
     assert_eq!(stats.pool.free_pages, stats.pool.total_pages);
 }
 
-/// Runs `requests` together on a fresh GPU backend with `decode_steps`; returns the tokens
-/// and how many scheduler steps it took.
+/// Runs `requests` together on a fresh GPU backend with `decode_steps`, steps overlapped or
+/// not; returns the tokens and the scheduler's counters.
 async fn serve_on_gpu(
     files: &ModelFiles,
     requests: &[GenerateRequest],
     decode_steps: usize,
-) -> (Vec<Vec<u32>>, u64) {
-    let toml = format!("[admission]\nmax_running = 64\ndecode_steps = {decode_steps}\n");
+    overlap: bool,
+) -> (Vec<Vec<u32>>, actors::scheduler::SchedulerStats) {
+    let toml = format!(
+        "[admission]\nmax_running = 64\ndecode_steps = {decode_steps}\noverlap_steps = {overlap}\n"
+    );
     let handles = actors::start(
         Box::new(cuda_backend(files, 1024)),
         serve_config(files, policies(&toml)),
@@ -164,7 +167,7 @@ async fn serve_on_gpu(
     }
     let stats = wait_idle(&handles).await;
     let tokens = completions.into_iter().map(|c| c.tokens).collect();
-    (tokens, stats.scheduler.steps)
+    (tokens, stats.scheduler)
 }
 
 #[actix_rt::test]
@@ -183,15 +186,24 @@ async fn multi_step_decoding_on_the_gpu_feeds_back_the_sampled_tokens() {
             },
         })
         .collect();
-    let (one, one_steps) = serve_on_gpu(&files, &requests, 1).await;
-    let (four, four_steps) = serve_on_gpu(&files, &requests, 4).await;
+    let (one, one_stats) = serve_on_gpu(&files, &requests, 1, false).await;
+    let (four, four_stats) = serve_on_gpu(&files, &requests, 4, false).await;
     assert_eq!(
         one, four,
         "4 decode steps per scheduler step change the tokens"
     );
+    let (one_steps, four_steps) = (one_stats.steps, four_stats.steps);
     assert!(
         four_steps * 2 < one_steps,
         "{four_steps} scheduler steps with decode_steps = 4, {one_steps} with 1"
+    );
+    // Steps planned while the one before them runs, their rows starting from the token the
+    // engine picked last: the same tokens again.
+    let (overlapped, stats) = serve_on_gpu(&files, &requests, 1, true).await;
+    assert_eq!(one, overlapped, "overlapped steps change the tokens");
+    assert!(
+        stats.planned_ahead * 2 > stats.steps,
+        "most steps were planned ahead: {stats:?}"
     );
 }
 
