@@ -206,7 +206,8 @@ fn describe() {
         ),
         (
             "snapserve_step_duration_seconds",
-            "One scheduler step, from planning to the engine's answer.",
+            "One scheduler step, from planning to the engine's answer (with overlapped steps, \
+             the wait for the step ahead of it included).",
         ),
         (
             "snapserve_forward_duration_seconds",
