@@ -1012,8 +1012,12 @@ impl Scheduler {
             if !row.live {
                 continue;
             }
+            let sample = row.end == self.running[row.job].planned_len();
+            if sample && self.running[row.job].sampler_slot.is_none() {
+                let slot = self.sampler_slot();
+                self.running[row.job].sampler_slot = Some(slot);
+            }
             let job = &mut self.running[row.job];
-            let sample = row.end == job.planned_len();
             // Its one token is the pick of the step in flight, which the engine fills in.
             let follows = row.start == job.tokens.len();
             let slot = job.slot.as_ref().expect("running jobs hold a slot");
@@ -1056,26 +1060,14 @@ impl Scheduler {
                     keep_logits = true;
                 }
             }
-            let pick = if sample {
-                let slot = match job.sampler_slot {
-                    Some(slot) => slot,
-                    None => {
-                        let slot = self.sampler_slot();
-                        self.running[row.job].sampler_slot = Some(slot);
-                        slot
-                    }
-                };
-                let job = &mut self.running[row.job];
-                Some(Pick {
-                    slot,
-                    sampler: job.sampler.take(),
-                    follows,
-                    keep_logits,
-                })
-            } else {
-                None
-            };
-            let job = &mut self.running[row.job];
+            let pick = sample.then(|| Pick {
+                slot: job
+                    .sampler_slot
+                    .expect("given above to every job that picks"),
+                sampler: job.sampler.take(),
+                follows,
+                keep_logits,
+            });
             step.rows.push(RowRequest {
                 request: job.id,
                 pick,
@@ -1477,30 +1469,22 @@ impl Scheduler {
         outcomes: Vec<(usize, PickOutcome)>,
         ended: &mut Vec<(usize, End)>,
     ) {
-        let sent: Vec<(usize, Row)> = draft
-            .sent_rows
-            .iter()
-            .enumerate()
-            .map(|(p, &r)| (p, draft.rows[r]))
-            .filter(|(_, row)| row.job != GONE)
-            .collect();
-        // By plan row: what each pick left besides its tokens.
-        let mut left: Vec<Option<PickOutcome>> = Vec::new();
-        for (p, outcome) in outcomes {
-            if left.len() <= p {
-                left.resize_with(p + 1, || None);
-            }
-            left[p] = Some(outcome);
-        }
-        let mut left_by = |p: usize| left.get_mut(p).and_then(Option::take).unwrap_or_default();
-        let mut picks: Vec<(usize, Row, PickOutcome)> = Vec::with_capacity(sent.len());
-        for &(p, row) in &sent {
-            let job = &mut self.running[row.job];
+        // The rows of jobs still here, each with what its pick left besides its tokens (the
+        // engine lists those in row order).
+        let mut outcomes = outcomes.into_iter().peekable();
+        let mut picks: Vec<(usize, Row, PickOutcome)> = Vec::with_capacity(draft.sent_rows.len());
+        for (p, &r) in draft.sent_rows.iter().enumerate() {
+            let mut outcome = outcomes
+                .next_if(|(at, _)| *at == p)
+                .map_or_else(PickOutcome::default, |(_, outcome)| outcome);
+            let row = draft.rows[r];
+            let Some(job) = self.running.get_mut(row.job) else {
+                continue;
+            };
             // A job recomputing its prompt has forgotten every pick in flight already.
             if !draft.recompute.contains(&row.job) {
                 job.in_flight -= row.samples as usize;
             }
-            let mut outcome = left_by(p);
             let kept = outcome.kept_logits.take();
             picks.push((p, row, outcome));
             let Some(key) = job.keep_logits_as.take() else {
