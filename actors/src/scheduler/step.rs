@@ -169,7 +169,7 @@ pub(super) struct Draft {
     /// Tokens of the rows sent to the engine (of its first decode step, in a multi-step one).
     sent_tokens: usize,
     /// Whether a row sent holds more than one token before its draft (a prompt chunk).
-    sent_prompt_chunk: bool,
+    pub(super) sent_prompt_chunk: bool,
     /// Jobs swept and operations sent to the store and the pool so far: a step with none and
     /// no engine step changed nothing.
     changes: usize,

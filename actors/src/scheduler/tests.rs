@@ -965,6 +965,13 @@ impl Overlapped {
             if !may_plan || !h.scheduler.readiness(Instant::now()).0 {
                 break;
             }
+            if !self.in_flight.is_empty() {
+                let ahead_of = self.rows.last().expect("a step is in flight");
+                assert!(
+                    ahead_of.iter().all(|&(_, n)| n == 1),
+                    "a step was planned ahead of one with a prompt chunk: {ahead_of:?}"
+                );
+            }
             let (scheduler, pool, store, engine) =
                 (&mut h.scheduler, &mut h.pool, &mut h.store, &mut h.engine);
             match plan_step(scheduler, pool, store, engine, |_, _, _| {}) {
@@ -1038,11 +1045,9 @@ fn steps_planned_ahead_give_the_tokens_of_steps_one_at_a_time() {
         assert_eq!(tokens.len(), 20);
         assert!(matches!(end, Some(Event::Finished { .. })), "{end:?}");
     }
+    // Only behind steps of decode rows (the driver checks that), which most steps were.
     let stats = ahead.scheduler.stats();
-    assert!(
-        stats.planned_ahead > 20,
-        "decode steps were planned ahead: {stats:?}"
-    );
+    assert!(stats.planned_ahead >= 15, "{stats:?}");
     // Every running job's last pick was in flight when the next step was planned: a row
     // that starts from it ran, and nothing was computed twice.
     let computed: usize = driver.rows.iter().flatten().map(|&(_, n)| n).sum();
@@ -1052,20 +1057,27 @@ fn steps_planned_ahead_give_the_tokens_of_steps_one_at_a_time() {
 
 #[test]
 fn a_stop_seen_after_the_next_step_was_planned_ends_the_request_there() {
-    let prompt: Vec<u32> = (0..12u32).map(|t| 3 + (t * 11) % 200).collect();
-    let mut alone = Harness::new(64, "");
-    let mut stream = alone.submit_exactly(prompt.clone(), 8);
-    for _ in 0..50 {
-        if !alone.step_outcome().1.ready {
-            break;
-        }
-    }
-    let (free_run, _) = tokens(&mut stream);
-    assert_eq!(free_run.len(), 8);
-
-    // Stop on the third token: the step after it was planned before it was seen.
-    let stop = free_run[2];
-    let first_stop = free_run.iter().position(|&t| t == stop).unwrap();
+    // A prompt whose free run picks a new token after its second: one picked by a decode
+    // step planned ahead.
+    let (prompt, free_run, first_stop) = (0..40u32)
+        .find_map(|seed| {
+            let prompt: Vec<u32> = (0..12u32).map(|t| 3 + (t * 11 + seed * 17) % 200).collect();
+            let mut alone = Harness::new(64, "");
+            let mut stream = alone.submit_exactly(prompt.clone(), 8);
+            for _ in 0..50 {
+                if !alone.step_outcome().1.ready {
+                    break;
+                }
+            }
+            let (free_run, _) = tokens(&mut stream);
+            assert_eq!(free_run.len(), 8);
+            let first_stop =
+                (2..free_run.len()).find(|&i| !free_run[..i].contains(&free_run[i]))?;
+            Some((prompt, free_run, first_stop))
+        })
+        .expect("some prompt's free run picks a new token after its second");
+    // Stop on it: the step after it was planned before it was seen.
+    let stop = free_run[first_stop];
     let mut h = Harness::new(64, "");
     let params = SamplingParams {
         max_tokens: 8,
