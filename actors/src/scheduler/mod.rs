@@ -444,11 +444,6 @@ impl Scheduler {
             && !self.speculating()
     }
 
-    /// Steps sent to the engine that have not answered.
-    pub fn steps_in_flight(&self) -> usize {
-        self.sent.len()
-    }
-
     /// The number of the oldest step in flight: the next answer to apply is its.
     pub fn oldest_in_flight(&self) -> Option<u64> {
         self.sent.front().map(|step| step.id)
@@ -464,8 +459,12 @@ impl Scheduler {
     /// Notes that `job` is gone for good: the engine's copy of its sampler, if it has one, is
     /// dropped with the next step.
     fn retire(&mut self, job: &Job) {
-        if let Some(slot) = job.sampler_slot {
-            self.forget.push((slot, job.id));
+        self.retire_sampler(job.id, job.sampler_slot);
+    }
+
+    fn retire_sampler(&mut self, id: RequestId, slot: Option<u32>) {
+        if let Some(slot) = slot {
+            self.forget.push((slot, id));
             self.free_sampler_slots.push(slot);
         }
     }
@@ -478,8 +477,9 @@ impl Scheduler {
         })
     }
 
-    /// Requests whose samplers the engine is yet to be told to drop (tests).
-    pub fn samplers_to_forget(&self) -> Vec<RequestId> {
+    /// Requests whose samplers the engine is yet to be told to drop.
+    #[cfg(test)]
+    pub(crate) fn samplers_to_forget(&self) -> Vec<RequestId> {
         self.forget.iter().map(|&(_, id)| id).collect()
     }
 

@@ -410,16 +410,11 @@ impl Scheduler {
         let before = self.queue.len();
         let stats = &mut self.stats;
         let mut gone = Vec::new();
-        let (forget, free) = (&mut self.forget, &mut self.free_sampler_slots);
         self.queue.retain(|job| {
             if !job.abandoned() {
                 return true;
             }
-            gone.push(job.id);
-            if let Some(slot) = job.sampler_slot {
-                forget.push((slot, job.id));
-                free.push(slot);
-            }
+            gone.push((job.id, job.sampler_slot));
             // A preempted job waits here with text already sent: its caller may have stopped it.
             if job.stopped_by_caller() {
                 stats.finished += 1;
@@ -428,8 +423,9 @@ impl Scheduler {
             }
             false
         });
-        for id in gone {
+        for (id, sampler_slot) in gone {
             self.release_forks(id);
+            self.retire_sampler(id, sampler_slot);
         }
         swept + before - self.queue.len()
     }
