@@ -161,8 +161,8 @@ fn measure_inline(batch: usize, decode_steps: usize) -> Duration {
         .collect();
     let mut step = |scheduler: &mut Scheduler| {
         let now = Instant::now();
-        let lookups = scheduler.begin_step(now);
-        let replies = lookups.into_iter().map(|op| store.apply(op)).collect();
+        let ops = scheduler.begin_step(now);
+        let replies = ops.into_iter().map(|op| store.apply(op)).collect();
         let ops = scheduler.plan_pool(replies);
         let (replies, stats) = if ops.is_empty() {
             (Vec::new(), None)
@@ -170,9 +170,9 @@ fn measure_inline(batch: usize, decode_steps: usize) -> Duration {
             let replies = ops.into_iter().map(|op| pool.apply(op)).collect();
             (replies, Some(pool.stats()))
         };
-        let ops = scheduler.plan_store(replies, stats, now);
-        let replies = ops.into_iter().map(|op| store.apply(op)).collect();
-        let reply = scheduler.plan_engine(replies).map(|s| engine.run(s));
+        let reply = scheduler
+            .plan_engine(replies, stats, now)
+            .map(|s| engine.run(s));
         scheduler.finish_step(reply, now);
     };
     // Callers read their tokens as they come, as a server's response streams do.

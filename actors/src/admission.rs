@@ -1,8 +1,8 @@
 //! The `Admission` actor: holds the scheduler ([`crate::scheduler::Scheduler`]) and drives its
 //! steps through the `SnapshotStore`, `KvPool` and `Engine` actors.
 //!
-//! Planning a step is one chain of three exchanges (store, pool, store) ending with the
-//! engine step sent. The next step is planned as soon as that one is sent, while the engine
+//! Planning a step is one chain of exchanges, one with each actor: the store (lookups and
+//! saves), the pool (pages), then the engine step sent. The next step is planned as soon as that one is sent, while the engine
 //! runs it ([`Scheduler::can_plan_ahead`]): its rows start from the tokens the step ahead of
 //! them picks, which the engine fills in, so the exchanges, the planning and the delivery of
 //! tokens overlap the forward pass. At most two steps are in flight; an answer that comes while
@@ -129,21 +129,21 @@ impl Admission {
         }
     }
 
-    /// The exchanges of one step with the store and the pool, then the engine step sent (or,
-    /// with nothing for the engine, the step finished at once).
+    /// The step's one exchange with the store, then its one with the pool, then the engine
+    /// step sent (or, with nothing for the engine, the step finished at once).
     fn plan(&mut self, ctx: &mut Context<Self>) {
         self.planning = true;
         // This step's planning sees every arrival so far.
         self.interrupt.store(false, Ordering::Release);
         let started = Instant::now();
-        let lookups = self.scheduler.begin_step(started);
+        let ops = self.scheduler.begin_step(started);
         let store = self.store.clone();
         let chain = async move {
-            if lookups.is_empty() {
+            if ops.is_empty() {
                 return Vec::new();
             }
             store
-                .send(StoreStep(lookups))
+                .send(StoreStep(ops))
                 .await
                 .expect("the SnapshotStore actor runs as long as Admission")
                 .replies
@@ -164,23 +164,8 @@ impl Admission {
             }
             .into_actor(act)
         })
-        .then(|(replies, stats), act, _| {
-            let ops = act.scheduler.plan_store(replies, stats, Instant::now());
-            let store = act.store.clone();
-            async move {
-                if ops.is_empty() {
-                    return Vec::new();
-                }
-                store
-                    .send(StoreStep(ops))
-                    .await
-                    .expect("the SnapshotStore actor runs as long as Admission")
-                    .replies
-            }
-            .into_actor(act)
-        })
-        .map(move |replies, act, ctx| {
-            let step = act.scheduler.plan_engine(replies);
+        .map(move |(replies, stats), act, ctx| {
+            let step = act.scheduler.plan_engine(replies, stats, Instant::now());
             act.planned(step, started, ctx);
         });
         ctx.spawn(chain);

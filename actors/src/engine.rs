@@ -762,8 +762,8 @@ fn check_multi_step(
 }
 
 impl Engine {
-    /// Does a step's work in order: evictions, restores, forks, forward pass and sampling,
-    /// saves.
+    /// Does a step's work in order: evictions, promotions, the saves of pages given back this
+    /// step, restores, forks, forward pass and sampling, the other saves.
     pub fn run(&mut self, mut step: EngineStep) -> EngineStepReply {
         let began = std::time::Instant::now();
         for &(slot, request) in &step.forget {
@@ -779,6 +779,13 @@ impl Engine {
         self.reap_disk(false, &mut demotions, &mut promotions);
         self.evict(&step.evictions, &mut demotions);
         self.promote(&step.promotions, &mut promotions);
+        // Saves of KV earlier steps computed, from pages given back in this step: before
+        // anything writes them.
+        let mut saves: Vec<Option<Result<(), String>>> = step
+            .saves
+            .iter()
+            .map(|s| s.before_forward.then(|| self.save(s, &mut demotions)))
+            .collect();
         let queued: Vec<Result<bool, String>> =
             step.restores.iter().map(|r| self.restore(r)).collect();
         let forks = step
@@ -805,21 +812,20 @@ impl Engine {
         let outcomes = self.keep_samplers(&step.rows, samplers, &forward);
         let forwarded = began.elapsed();
         let restores = self.restore_outcomes(&step.restores, queued);
-        let saves = match &forward {
-            Ok(_) => step
-                .saves
-                .iter()
-                .map(|s| match s.after_restore.map(|r| &restores[r]) {
-                    Some(Err(fault)) => Err(format!("not saved: its restore failed: {fault}")),
-                    _ => self.save(s, &mut demotions),
-                })
-                .collect(),
-            Err(e) => step
-                .saves
-                .iter()
-                .map(|_| Err(format!("not saved: the step failed: {e}")))
-                .collect(),
-        };
+        for (s, done) in step.saves.iter().zip(&mut saves) {
+            if done.is_some() {
+                continue;
+            }
+            *done = Some(match (&forward, s.after_restore.map(|r| &restores[r])) {
+                (Err(e), _) => Err(format!("not saved: the step failed: {e}")),
+                (Ok(_), Some(Err(fault))) => Err(format!("not saved: its restore failed: {fault}")),
+                (Ok(_), _) => self.save(s, &mut demotions),
+            });
+        }
+        let saves = saves
+            .into_iter()
+            .map(|done| done.expect("every save was done before or after the forward"))
+            .collect();
         tracing::debug!(
             "engine step: {} rows, {} restores, {} saves, {} evictions, {} promotions: \
              {:.1} ms to the forward's end, {:.1} ms in all",

@@ -4,8 +4,8 @@
 //! vocabulary does not depend on actix.
 
 use cache::{
-    BackingId, CacheError, Eviction, LookupHit, PageClone, PageCopy, PageId, PrefixHash, Promotion,
-    PromotionStart, RestorePlan, SaveReservation, SaveStart, SlotHandle, SnapshotId, Tier,
+    BackingId, CacheError, Eviction, Found, PageClone, PageCopy, PageId, PrefixHash, Promotion,
+    SaveReservation, SaveStart, SlotHandle, SnapshotId, Tier,
 };
 use engine::backend::StepPlan;
 use engine::sampling::{Sampler, TokenLogprobs};
@@ -47,17 +47,15 @@ pub enum PoolReply {
     Truncated(Result<usize, CacheError>),
 }
 
-/// One request to the store.
+/// One request to the store. A step sends the store one list of them, before the pool's.
 #[derive(Debug, PartialEq)]
 pub enum StoreOp {
-    /// The longest stored prefix of a chain.
-    Lookup(Vec<PrefixHash>),
-    /// Pins a snapshot and plans the copy of its first `pages` pages (a lookup hit's) into the
-    /// head of `page_table`.
-    BeginRestore {
-        snapshot: SnapshotId,
-        pages: usize,
-        page_table: Vec<PageId>,
+    /// A request about to be admitted: the longest stored prefix of `chain`, pinned for its
+    /// restore when it is in memory, or read back into memory when it is on disk and
+    /// `promote` is set ([`cache::SnapshotStore::find`]).
+    Find {
+        chain: Vec<PrefixHash>,
+        promote: bool,
     },
     FinishRestore(SnapshotId),
     /// Charges a snapshot of `chain` in `tier`, evicting as needed.
@@ -81,8 +79,6 @@ pub enum StoreOp {
     AbortDemotion(SnapshotId),
     /// A restore found the snapshot corrupt: drop it.
     DropCorrupt(SnapshotId),
-    /// Starts reading a disk snapshot back into memory.
-    BeginPromotion(SnapshotId),
     CommitPromotion(SnapshotId),
     /// A promotion failed; `corrupt`: its file was found corrupt (and is dropped).
     AbortPromotion {
@@ -94,13 +90,11 @@ pub enum StoreOp {
 /// The answer to one [`StoreOp`], in the same position.
 #[derive(Debug, PartialEq)]
 pub enum StoreReply {
-    Lookup(Option<LookupHit>),
-    Restore(Result<RestorePlan, CacheError>),
+    Found(Found),
     Save(Result<SaveStart, CacheError>),
     Done(Result<(), CacheError>),
     /// Done, and these buffers are to be freed.
     Freed(Result<Vec<Eviction>, CacheError>),
-    Promotion(Result<PromotionStart, CacheError>),
 }
 
 /// A snapshot to fill: allocate `backing` and copy pool pages into it.
@@ -117,6 +111,10 @@ pub struct SaveCopy {
     /// The restore of this step (by position) whose pages this save copies: if that restore
     /// is refused as corrupt, so is the save.
     pub after_restore: Option<usize>,
+    /// It copies KV computed by earlier steps, from pages its job gives back in this very
+    /// step: copied first, before anything of the step can write them (restores, forks, the
+    /// forward pass), and whether or not the forward pass works.
+    pub before_forward: bool,
 }
 
 /// A snapshot to copy into pool pages before the forward pass.

@@ -2,8 +2,7 @@
 //! charges, recency, pins, prefix lookup and tiers.
 //!
 //! It decides what is kept and where; the engine holds the bytes of each backing. The scheduler
-//! sends one [`StoreStep`] per phase of a step, so the store costs a round trip, not one per
-//! request.
+//! sends it one [`StoreStep`] a step, so the store costs a round trip, not one per request.
 
 use actix::{Actor, Context, Handler, Message, MessageResult};
 use cache::{
@@ -51,12 +50,7 @@ impl SnapshotStore {
     /// Applies one request (the handler applies a step's in order).
     pub fn apply(&mut self, op: StoreOp) -> StoreReply {
         match op {
-            StoreOp::Lookup(chain) => StoreReply::Lookup(self.store.lookup_longest(&chain)),
-            StoreOp::BeginRestore {
-                snapshot,
-                pages,
-                page_table,
-            } => StoreReply::Restore(self.store.begin_restore(snapshot, pages, &page_table)),
+            StoreOp::Find { chain, promote } => StoreReply::Found(self.store.find(&chain, promote)),
             StoreOp::FinishRestore(snapshot) => {
                 StoreReply::Done(self.store.finish_restore(snapshot))
             }
@@ -77,9 +71,6 @@ impl SnapshotStore {
                 StoreReply::Freed(self.store.commit_demotion(snapshot))
             }
             StoreOp::DropCorrupt(snapshot) => StoreReply::Freed(self.store.drop_corrupt(snapshot)),
-            StoreOp::BeginPromotion(snapshot) => {
-                StoreReply::Promotion(self.store.begin_promotion(snapshot))
-            }
             StoreOp::CommitPromotion(snapshot) => {
                 StoreReply::Freed(self.store.commit_promotion(snapshot))
             }

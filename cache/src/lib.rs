@@ -39,7 +39,7 @@ pub use plan::{PageClone, PageCopy, page_clones};
 pub use pool::{PagePool, PoolConfig, PoolStats};
 pub use prefix::{PrefixHash, PrefixHasher, PrefixSalt};
 pub use store::{
-    Eviction, FlushCopy, FlushPlan, LookupHit, Promotion, PromotionStart, RestorePlan,
-    SaveReservation, SaveStart, SnapshotInfo, SnapshotState, SnapshotStore, StoreStats, Tier,
-    TierStats,
+    Eviction, FlushCopy, FlushPlan, Found, LookupHit, PinnedRestore, Promotion, PromotionStart,
+    RestorePlan, SaveReservation, SaveStart, SnapshotInfo, SnapshotState, SnapshotStore,
+    StoreStats, Tier, TierStats,
 };

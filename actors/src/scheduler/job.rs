@@ -72,6 +72,14 @@ pub(crate) struct Job {
     /// Finished (its terminal event sent), its pages held one more step to save its prompt
     /// and reply for the conversation's next turn, then released.
     pub closing: bool,
+    /// Its attempts to grow ran out: it runs no more, and the next step saves what it
+    /// computed, then requeues it.
+    pub preempted: bool,
+    /// The save a closing or preempted job makes before it leaves has been charged (in the
+    /// step it leaves at the end of).
+    pub leave_charged: bool,
+    /// Its prompt was completed by a step that charged no save for it: the next step does.
+    pub save_owed: bool,
     /// Another choice of the same request (`n` > 1), waiting to take the prompt's KV from the
     /// first choice, this job, once that one has computed it. Cleared when it forks, or when
     /// the first choice is gone and it must compute the prompt itself.
@@ -131,6 +139,9 @@ impl Job {
             keep_prompt: false,
             keep_failure: None,
             closing: false,
+            preempted: false,
+            leave_charged: false,
+            save_owed: false,
             fork_of: None,
             cancelled: false,
             cut: false,
@@ -183,6 +194,7 @@ impl Job {
             && self.awaiting.is_none()
             && self.fork_of.is_none()
             && !self.closing
+            && !self.preempted
             && self.blocked_until.is_none_or(|t| t <= now)
     }
 

@@ -8,18 +8,27 @@
 //!
 //! Pure state: no actix, no I/O, no clock of its own (callers pass `now`); what it exchanges
 //! with the actors is [`crate::exchange`]'s plain data. The `Admission` actor drives each step
-//! through the other actors, one exchange per phase:
+//! through the other actors, one exchange with each:
 //!
-//! 1. [`Scheduler::begin_step`]: sweeps cancelled jobs, plans rows, and returns the snapshot
-//!    lookups of the jobs that may be admitted;
-//! 2. [`Scheduler::plan_pool`]: with the lookups' hits, the pool changes (releases, admissions
-//!    with their restored prefix and first prompt chunk, extensions for the rows);
-//! 3. [`Scheduler::plan_store`]: with the pool's answers, the store changes (pins for restores,
-//!    charges for saves, commits of the last step's copies); a job the pool refused backs off
-//!    alone, and is preempted or failed when its attempts run out;
-//! 4. [`Scheduler::plan_engine`]: with the store's answers, the engine step, if any;
-//! 5. [`Scheduler::finish_step`]: with the engine's answer, tokens go out, jobs end, and what
+//! 1. [`Scheduler::begin_step`]: sweeps cancelled jobs, plans rows, and returns the store's
+//!    requests: the last steps' follow-ups (commits, unpins), the saves of KV the running
+//!    jobs hold or complete in this step's rows, and for each job that may be admitted a
+//!    lookup that pins the prefix it finds (or starts reading it back from disk), with the
+//!    save of its prompt when its first chunk completes it whatever the lookup finds;
+//! 2. [`Scheduler::plan_pool`]: with the store's answers, the pool changes (releases, the
+//!    pages of jobs leaving this step, admissions with their restored prefix and first prompt
+//!    chunk, extensions for the rows);
+//! 3. [`Scheduler::plan_engine`]: with the pool's answers, the engine step, if any: the
+//!    restores into the new slots' pages, the saves matched with the pages they copy (or given
+//!    up, when their row did not run), the rows; a job the pool refused backs off alone, and
+//!    when its attempts run out the youngest running request gives way;
+//! 4. [`Scheduler::finish_step`]: with the engine's answer, tokens go out, jobs end, and what
 //!    must follow (releases, commits) is queued for the next step.
+//!
+//! A save that could not be charged in the step that needed it is charged by the next: a
+//! prompt completed only thanks to a restore (its job keeps running), and the saves of jobs
+//! that leave (a finished reply worth keeping, a preempted job's work), whose pages go back in
+//! that same step once the engine has copied them, before anything else of the step runs.
 
 mod job;
 mod step;
@@ -485,10 +494,18 @@ impl Scheduler {
 
     /// Whether a step could do something now, and else when one could.
     pub fn readiness(&self, now: Instant) -> (bool, Option<Instant>) {
-        let pending_work =
-            !self.releases.is_empty() || !self.truncates.is_empty() || !self.follow_ups.is_empty();
+        // Samplers to forget: a job that gave its pages back in the step it left at the end of
+        // leaves nothing else for the next step, which still has the engine drop its sampler.
+        let pending_work = !self.releases.is_empty()
+            || !self.truncates.is_empty()
+            || !self.follow_ups.is_empty()
+            || !self.forget.is_empty();
         let runnable = self.running.iter().any(|j| {
-            j.closing || j.cancelled || j.cut || j.abandoned() || (j.ready(now) && j.pending() > 0)
+            ((j.closing || j.preempted) && !j.leave_charged)
+                || j.cancelled
+                || j.cut
+                || j.abandoned()
+                || (j.ready(now) && j.pending() > 0)
         });
         let admissible =
             self.running.len() < self.config.max_running && self.next_admission_fits(now);

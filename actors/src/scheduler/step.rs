@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cache::{
-    CacheError, Eviction, LookupHit, PageClone, PoolStats, PromotionStart, SaveReservation,
-    SaveStart, SnapshotId, Tier, page_clones,
+    CacheError, Eviction, Found, LookupHit, PageClone, PinnedRestore, PoolStats, Promotion,
+    PromotionStart, SaveReservation, SaveStart, SnapshotId, Tier, page_clones,
 };
 use engine::backend::{LogitsWanted, RowPlan, StepPlan};
 use policy::{BackoffStep, OnExhausted, ReservationPolicy};
@@ -117,12 +117,38 @@ enum PoolPurpose {
     Fork(usize),
 }
 
-/// What each store operation of phase 3 was for.
+/// Whose save a store operation charges: a running job's (by index) or a candidate's (by
+/// its place among the step's candidates).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SaveFor {
+    Running(usize),
+    Candidate(usize),
+}
+
+/// What each store operation of the step (after the follow-ups) was for.
 #[derive(Debug, Clone, Copy)]
 enum StorePurpose {
-    Restore(usize),
-    Save(usize, SaveKind),
-    Promote(SnapshotId),
+    /// Candidate `c`'s lookup.
+    Find(usize),
+    /// A save. `row`: of a prompt a row of this step completes, and only worth copying if
+    /// that row runs; else of KV computed before the step.
+    Save {
+        target: SaveFor,
+        kind: SaveKind,
+        row: bool,
+    },
+}
+
+/// A job taken from the queue to admit this step.
+pub(super) struct Candidate {
+    job: Job,
+    hit: Option<LookupHit>,
+    /// The hit, pinned for its restore (a hit in memory).
+    pinned: Option<PinnedRestore>,
+    /// The prompt tokens it runs in this very step (its first chunk, allocated with the slot).
+    first: usize,
+    /// Its prompt's save was charged with its lookup, for a first chunk that completes it.
+    save_charged: bool,
 }
 
 /// The step being built, between the phases.
@@ -133,9 +159,8 @@ pub(super) struct Draft {
     drafted: Vec<u32>,
     /// How many of phase 1's store operations were follow-ups of the last step.
     follow_ups: usize,
-    /// Jobs taken from the queue to admit, with their lookup hit and the prompt tokens they
-    /// run in this very step (their first chunk, allocated with the slot).
-    candidates: Vec<(Job, Option<LookupHit>, usize)>,
+    /// Jobs taken from the queue to admit.
+    candidates: Vec<Candidate>,
     /// Other choices of a request to admit with a copy of their first choice's prompt KV:
     /// the job, the first choice's index in `running`, and whether the prompt's last token
     /// runs in this step (else in the next).
@@ -147,7 +172,8 @@ pub(super) struct Draft {
     prefill_left: usize,
     pool_purposes: Vec<PoolPurpose>,
     store_purposes: Vec<StorePurpose>,
-    /// Running jobs whose attempts ran out: saved (if possible) and requeued this step.
+    /// Preempted jobs (their attempts ran out in an earlier step): saved (if possible) and
+    /// requeued this step.
     preempting: Vec<usize>,
     /// Running jobs that end this step without running (context full, `on_exhausted = fail`).
     failing: Vec<(usize, ServeError)>,
@@ -156,11 +182,19 @@ pub(super) struct Draft {
     /// Jobs that ended on the first token picked from kept logits, at their admission.
     first_ends: Vec<(usize, End)>,
     restores: Vec<(usize, SnapshotId)>,
+    /// The page tables of the jobs leaving at the end of this step (closing, preempted),
+    /// whose pages go back in this step's exchange with the pool, once their saves copied.
+    leaving_pages: Vec<(usize, Vec<cache::PageId>)>,
+    /// Some save copies KV of earlier steps before the forward pass.
+    saves_before_forward: bool,
+    /// Saves the store charged, not yet matched with the pages they copy.
+    reserved: Vec<(SaveFor, SaveKind, bool, SaveReservation)>,
     saves: Vec<(usize, SaveKind, SaveReservation)>,
-    /// Buffers the last step's follow-ups gave up (corrupt snapshots): freed by this step.
+    /// Buffers the store gave up (corrupt snapshots, room made for saves and promotions):
+    /// freed, or demoted, by this step.
     freed: Vec<Eviction>,
-    /// Disk snapshots queued jobs found, to read back into memory.
-    promote: Vec<SnapshotId>,
+    /// Disk snapshots candidates found, read back into memory beside this step.
+    promotions: Vec<Promotion>,
     /// Jobs whose restored (or forked) KV was refused as corrupt: what they sampled is not
     /// delivered, and they compute their prompt again from the start.
     recompute: Vec<usize>,
@@ -197,9 +231,10 @@ pub struct StepOutcome {
 }
 
 impl Scheduler {
-    /// Phase 1: sweeps cancelled jobs and plans rows. Returns the store exchange: the last
-    /// step's follow-ups (so a snapshot saved then is findable now) and a lookup per admission
-    /// candidate.
+    /// Phase 1: sweeps cancelled jobs and plans rows. Returns the step's one store exchange:
+    /// the last steps' follow-ups (so a snapshot saved then is findable now), the saves of
+    /// KV the running jobs hold or compute this step, and a lookup per admission candidate,
+    /// with the save of its prompt when its first chunk completes it.
     pub fn begin_step(&mut self, now: Instant) -> Vec<StoreOp> {
         assert!(self.draft.is_none(), "one step at a time");
         let swept = self.sweep_cancelled();
@@ -221,6 +256,7 @@ impl Scheduler {
             .map(StoreFollowUp::into_op)
             .collect();
         draft.follow_ups = ops.len();
+        self.plan_running_saves(&mut draft, &mut ops);
         let free_slots = self.config.max_running.saturating_sub(self.running.len());
         let mut waiting = VecDeque::new();
         let mut available = self.available_pages;
@@ -260,11 +296,24 @@ impl Scheduler {
             }
             available -= pages;
             let pages = job.tokens.len() / self.config.page_tokens;
-            ops.push(StoreOp::Lookup(job.chain(&self.hasher, pages).to_vec()));
-            draft.candidates.push((job, None, 0));
+            ops.push(StoreOp::Find {
+                chain: job.chain(&self.hasher, pages).to_vec(),
+                promote: !job.skip_disk,
+            });
+            draft
+                .store_purposes
+                .push(StorePurpose::Find(draft.candidates.len()));
+            draft.candidates.push(Candidate {
+                job,
+                hit: None,
+                pinned: None,
+                first: 0,
+                save_charged: false,
+            });
         }
         waiting.extend(self.queue.drain(..));
         self.queue = waiting;
+        self.plan_candidate_saves(&mut draft, &mut ops);
         // Several decode steps in one are planned only when no step is in flight: their rows
         // must start from known tokens.
         let nothing_waits =
@@ -275,6 +324,109 @@ impl Scheduler {
         draft.changes += ops.len() + draft.forks.len();
         self.draft = Some(draft);
         ops
+    }
+
+    /// The save a prompt completed by a row wants, if any: kept whatever the policy for an
+    /// operator's prefix, else saved when the policy says so and it was not already.
+    fn prompt_save_kind(&self, job: &Job) -> Option<SaveKind> {
+        let pt = self.config.page_tokens;
+        if job.keep_prompt {
+            Some(SaveKind::Kept)
+        } else if self.config.save_prompts
+            && !job.prompt_saved
+            && job.prompt_len >= self.config.min_save_tokens.max(pt)
+        {
+            Some(SaveKind::Prompt)
+        } else {
+            None
+        }
+    }
+
+    /// Charges, with the step's lookups, the saves of KV running jobs hold or compute: the
+    /// prompts this step's rows complete (copied only if those rows run), prompts completed
+    /// earlier without a save charged ([`Job::save_owed`]), the replies of closing jobs and
+    /// what preempted jobs computed (each then leaves at the end of this step).
+    fn plan_running_saves(&mut self, draft: &mut Draft, ops: &mut Vec<StoreOp>) {
+        let pt = self.config.page_tokens;
+        let mut wanted: Vec<(usize, usize, SaveKind, bool)> = Vec::new();
+        for row in &draft.rows {
+            let job = &self.running[row.job];
+            if row.start < job.prompt_len
+                && row.end >= job.prompt_len
+                && let Some(kind) = self.prompt_save_kind(job)
+            {
+                wanted.push((row.job, job.prompt_len / pt, kind, true));
+            }
+        }
+        for (index, job) in self.running.iter_mut().enumerate() {
+            if job.save_owed {
+                job.save_owed = false;
+                if !(job.prompt_saved || job.closing || job.preempted) {
+                    wanted.push((index, job.prompt_len / pt, SaveKind::Prompt, false));
+                }
+            }
+            // A preempted job whose last row is still in flight leaves once it has answered.
+            if !(job.closing || job.preempted) || job.leave_charged || job.in_flight > 0 {
+                continue;
+            }
+            // Its pages go back in this step's exchange with the pool; its save copies them
+            // first thing in the engine step.
+            job.leave_charged = true;
+            let slot = job.slot.take().expect("running jobs hold a slot");
+            self.releases.push(slot.handle);
+            draft.leaving_pages.push((index, slot.pages));
+            if job.closing {
+                wanted.push((index, job.computed / pt, SaveKind::Reply, false));
+            } else {
+                draft.preempting.push(index);
+                if job.computed / pt > 0 {
+                    wanted.push((index, job.computed / pt, SaveKind::Preemption, false));
+                }
+            }
+        }
+        for (index, pages, kind, row) in wanted {
+            let chain = self.running[index].chain(&self.hasher, pages).to_vec();
+            ops.push(save_op(kind, chain, self.config.save_tier));
+            draft.store_purposes.push(StorePurpose::Save {
+                target: SaveFor::Running(index),
+                kind,
+                row,
+            });
+        }
+    }
+
+    /// Charges the save of each candidate's prompt that its first chunk will complete
+    /// whatever its lookup finds: the chunk it gets without a hit covers the prompt (a hit
+    /// only shortens the chunks, leaving more of the budget to the candidates after it). A
+    /// candidate whose first chunk completes its prompt only thanks to a hit saves it from
+    /// the next step ([`Job::save_owed`]); an operator's prefix to keep instead waits a step
+    /// with its last token, which then runs as a row of a running job, whose save is charged.
+    fn plan_candidate_saves(&mut self, draft: &mut Draft, ops: &mut Vec<StoreOp>) {
+        let pt = self.config.page_tokens;
+        let mut left = draft.prefill_left;
+        for c in 0..draft.candidates.len() {
+            let job = &draft.candidates[c].job;
+            let first = job.tokens.len().min(left);
+            left -= first;
+            if first < job.prompt_len {
+                continue;
+            }
+            let Some(kind) = self.prompt_save_kind(job) else {
+                continue;
+            };
+            let candidate = &mut draft.candidates[c];
+            let chain = candidate
+                .job
+                .chain(&self.hasher, candidate.job.prompt_len / pt)
+                .to_vec();
+            candidate.save_charged = true;
+            ops.push(save_op(kind, chain, self.config.save_tier));
+            draft.store_purposes.push(StorePurpose::Save {
+                target: SaveFor::Candidate(c),
+                kind,
+                row: true,
+            });
+        }
     }
 
     /// Where a choice waiting to fork from the request's first choice `first` (for a prompt of
@@ -290,6 +442,14 @@ impl Scheduler {
     ) -> ForkSource {
         if let Some(index) = self.running.iter().position(|j| j.id == first) {
             let leader = &self.running[index];
+            if leader.slot.is_none() {
+                // Leaving: a preempted one comes back; a finished one gave its pages back.
+                return if leader.preempted {
+                    ForkSource::Wait
+                } else {
+                    ForkSource::Gone
+                };
+            }
             return if leader.restoring.is_none() && leader.computed + 1 >= prompt_len {
                 ForkSource::From(index)
             } else {
@@ -300,7 +460,7 @@ impl Scheduler {
             .queue
             .iter()
             .chain(waiting)
-            .chain(draft.candidates.iter().map(|(job, ..)| job))
+            .chain(draft.candidates.iter().map(|c| &c.job))
             .any(|j| j.id == first);
         if queued {
             ForkSource::Wait
@@ -569,17 +729,23 @@ impl Scheduler {
                 _ => {}
             }
         }
-        let hits: Vec<Option<LookupHit>> = replies
-            .map(|reply| match reply {
-                StoreReply::Lookup(hit) => hit,
-                other => unreachable!("a lookup answered {other:?}"),
-            })
-            .collect();
+        let purposes = std::mem::take(&mut draft.store_purposes);
         assert_eq!(
-            hits.len(),
-            draft.candidates.len(),
-            "one lookup per candidate"
+            purposes.len(),
+            replies.len(),
+            "one answer per store request"
         );
+        for (purpose, reply) in purposes.into_iter().zip(replies) {
+            match (purpose, reply) {
+                (StorePurpose::Find(c), StoreReply::Found(found)) => {
+                    self.apply_found(&mut draft, c, found)
+                }
+                (StorePurpose::Save { target, kind, row }, StoreReply::Save(result)) => {
+                    self.apply_save_start(&mut draft, target, kind, row, result)
+                }
+                (purpose, reply) => unreachable!("store answered {reply:?} to {purpose:?}"),
+            }
+        }
         let mut ops = Vec::new();
         for (handle, tokens) in self.truncates.drain(..) {
             ops.push(PoolOp::Truncate { handle, tokens });
@@ -602,40 +768,56 @@ impl Scheduler {
                 draft.pool_purposes.push(PoolPurpose::Extend(r));
             }
         }
-        // A job whose prefix is on disk waits in the queue while it is read back, unless that
-        // already failed for it; the rest are admitted.
+        // A job whose prefix is on its way back from disk waits in the queue; the rest are
+        // admitted.
         let mut parked = Vec::new();
         let mut admitting = Vec::with_capacity(draft.candidates.len());
-        for ((job, hit, first), found) in
-            std::mem::take(&mut draft.candidates).into_iter().zip(hits)
-        {
-            match found {
-                Some(h) if h.tier == Tier::Disk && !job.skip_disk => {
-                    if !draft.promote.contains(&h.snapshot) {
-                        draft.promote.push(h.snapshot);
-                    }
-                    parked.push((job, h.snapshot));
-                }
-                Some(h) if h.tier == Tier::Disk => admitting.push((job, None, first)),
-                found => admitting.push((job, found.or(hit), first)),
+        let mut moved = Vec::with_capacity(draft.candidates.len());
+        for candidate in std::mem::take(&mut draft.candidates) {
+            if candidate.job.awaiting.is_some() {
+                moved.push(None);
+                parked.push(candidate.job);
+            } else {
+                moved.push(Some(admitting.len()));
+                admitting.push(candidate);
             }
         }
         draft.candidates = admitting;
-        for (mut job, snapshot) in parked.into_iter().rev() {
-            job.awaiting = Some(snapshot);
+        for job in parked.into_iter().rev() {
             self.queue.push_front(job);
         }
-        for (c, (job, hit, first)) in draft.candidates.iter_mut().enumerate() {
-            let found = *hit;
+        // A parked candidate's save waits for its admission.
+        for (target, kind, row, reservation) in std::mem::take(&mut draft.reserved) {
+            let target = match target {
+                SaveFor::Candidate(c) => match moved[c] {
+                    Some(now) => SaveFor::Candidate(now),
+                    None => {
+                        self.follow_ups.push(StoreFollowUp::Abort(reservation));
+                        continue;
+                    }
+                },
+                running => running,
+            };
+            draft.reserved.push((target, kind, row, reservation));
+        }
+        for (c, candidate) in draft.candidates.iter_mut().enumerate() {
+            let job = &mut candidate.job;
+            let found = candidate.pinned.as_ref().and(candidate.hit);
             job.first_logits = found.and_then(|h| self.kept_first_logits(job, h));
             // The new slot comes with the restored prefix and the first chunk after it, which
             // runs in this step: a short request's first token needs no step of its own. (With
             // kept logits, the chunk is the prompt's partial page and its first token.)
             let restored = found.map_or(0, |h| h.tokens);
             let pending = job.tokens.len() + job.first_logits.is_some() as usize;
-            *first = (pending - resume_at(job, restored)).min(draft.prefill_left);
-            draft.prefill_left -= *first;
-            let initial_tokens = initial_tokens(job, restored, *first);
+            let resume = resume_at(job, restored);
+            let mut first = (pending - resume).min(draft.prefill_left);
+            if job.keep_prompt && !candidate.save_charged {
+                // Its save is charged next step, with its last token's row.
+                first = first.min((job.prompt_len - 1).saturating_sub(resume));
+            }
+            candidate.first = first;
+            draft.prefill_left -= first;
+            let initial_tokens = initial_tokens(job, restored, first);
             ops.push(PoolOp::Admit {
                 prompt_tokens: job.tokens.len(),
                 max_new_tokens: job.max_new - job.generated(),
@@ -656,14 +838,14 @@ impl Scheduler {
         ops
     }
 
-    /// Phase 3: applies the pool's answers and returns the store changes.
+    /// Phase 3: applies the pool's answers and returns the engine step, if there is work.
     /// `stats` is `None` when phase 2 had nothing for the pool, which then did not change.
-    pub fn plan_store(
+    pub fn plan_engine(
         &mut self,
         replies: Vec<PoolReply>,
         stats: Option<PoolStats>,
         now: Instant,
-    ) -> Vec<StoreOp> {
+    ) -> Option<EngineStep> {
         if let Some(stats) = stats {
             self.available_pages = stats.available_pages;
         }
@@ -671,9 +853,10 @@ impl Scheduler {
         let purposes = std::mem::take(&mut draft.pool_purposes);
         let mut admitted = Vec::new();
         let mut refused = Vec::new();
-        let candidates = std::mem::take(&mut draft.candidates);
-        let mut candidates: Vec<Option<(Job, Option<LookupHit>, usize)>> =
-            candidates.into_iter().map(Some).collect();
+        let mut candidates: Vec<Option<Candidate>> = std::mem::take(&mut draft.candidates)
+            .into_iter()
+            .map(Some)
+            .collect();
         let mut forks: Vec<Option<(Job, usize, bool)>> = std::mem::take(&mut draft.forks)
             .into_iter()
             .map(Some)
@@ -695,29 +878,41 @@ impl Scheduler {
                     self.apply_extend(&mut draft, r, result, now)
                 }
                 (PoolPurpose::Admit(c), PoolReply::Admitted(result)) => {
-                    let (job, hit, first) = candidates[c]
+                    let candidate = candidates[c]
                         .take()
                         .expect("each candidate is admitted once");
                     match result {
                         Ok((handle, pages)) => {
-                            let restored = hit.map_or(0, |h| h.tokens);
+                            let restored = candidate.pinned.as_ref().map_or(0, |p| p.tokens());
                             let slot = Slot {
                                 handle,
-                                held_tokens: initial_tokens(&job, restored, first),
+                                held_tokens: initial_tokens(
+                                    &candidate.job,
+                                    restored,
+                                    candidate.first,
+                                ),
                                 pages,
                             };
-                            admitted.push((job, hit, first, slot));
+                            admitted.push((c, candidate, slot));
                         }
-                        Err(CacheError::LargerThanPool {
-                            needed_pages,
-                            total_pages,
-                        }) => {
-                            let reason = format!(
-                                "the request needs {needed_pages} KV pages; the pool has {total_pages}"
-                            );
-                            self.end_failed(job, ServeError::Invalid(reason));
+                        Err(e) => {
+                            if let Some(pinned) = &candidate.pinned {
+                                self.follow_ups
+                                    .push(StoreFollowUp::FinishRestore(pinned.snapshot));
+                            }
+                            match e {
+                                CacheError::LargerThanPool {
+                                    needed_pages,
+                                    total_pages,
+                                } => {
+                                    let reason = format!(
+                                        "the request needs {needed_pages} KV pages; the pool has {total_pages}"
+                                    );
+                                    self.end_failed(candidate.job, ServeError::Invalid(reason));
+                                }
+                                _ => refused.push(candidate.job),
+                            }
                         }
-                        Err(_) => refused.push(job),
                     }
                 }
                 (PoolPurpose::Fork(f), PoolReply::Admitted(result)) => {
@@ -742,21 +937,35 @@ impl Scheduler {
         for job in refused.into_iter().rev() {
             self.queue.push_front(job);
         }
-        let mut ops: Vec<StoreOp> = Vec::new();
-        for (job, hit, first, slot) in admitted {
-            self.admit(job, hit, first, slot, &mut draft, &mut ops);
+        let mut step = EngineStep {
+            id: 0,
+            evictions: std::mem::take(&mut draft.freed),
+            promotions: std::mem::take(&mut draft.promotions),
+            restores: Vec::new(),
+            forks: Vec::new(),
+            plan: StepPlan::default(),
+            rows: Vec::new(),
+            forget: Vec::new(),
+            row_steps: Vec::new(),
+            drafts: Vec::new(),
+            saves: Vec::new(),
+        };
+        // Where each candidate now runs, if it was admitted.
+        let mut admitted_at = vec![None; candidates.len()];
+        for (c, candidate, slot) in admitted {
+            admitted_at[c] = Some(self.running.len());
+            self.admit(candidate, slot, &mut draft, &mut step);
         }
         for (job, leader, runs_now, slot) in forked {
             self.admit_fork(job, leader, runs_now, slot, &mut draft);
         }
-        self.plan_saves(&mut draft, &mut ops);
-        for &snapshot in &draft.promote {
-            ops.push(StoreOp::BeginPromotion(snapshot));
-            draft.store_purposes.push(StorePurpose::Promote(snapshot));
-        }
-        draft.changes += ops.len();
-        self.draft = Some(draft);
-        ops
+        step.forks = draft
+            .fork_copies
+            .iter_mut()
+            .map(|(_, _, clones)| std::mem::take(clones))
+            .collect();
+        self.plan_save_copies(&mut draft, &mut step, &admitted_at);
+        self.plan_rows_sent(draft, step)
     }
 
     fn apply_extend(
@@ -788,7 +997,7 @@ impl Scheduler {
                     BackoffStep::Exhausted {
                         action: OnExhausted::Preempt,
                         ..
-                    } => draft.preempting.push(row.job),
+                    } => self.preempt_for(row.job, draft),
                     BackoffStep::Exhausted {
                         attempts,
                         action: OnExhausted::Fail,
@@ -814,47 +1023,87 @@ impl Scheduler {
         }
     }
 
+    /// Job `index` ran out of attempts to grow: the youngest running request gives way (it
+    /// runs no more; the next step saves what it computed, gives its pages back and requeues
+    /// it). When that is another, `index` tries again at once, with the pages it frees. The
+    /// oldest request thus always progresses, whatever the pool's size: two requests that
+    /// each preempted the other whenever they ran dry could both lose their work for ever
+    /// (when the store has no room for what they computed).
+    fn preempt_for(&mut self, index: usize, draft: &mut Draft) {
+        let key = |job: &Job| (job.submitted_at, job.id.0);
+        let victim = self
+            .running
+            .iter()
+            .enumerate()
+            .filter(|(_, job)| job.slot.is_some() && !job.closing && !job.preempted)
+            .max_by_key(|(_, job)| key(job))
+            .map(|(victim, _)| victim)
+            .filter(|&victim| key(&self.running[victim]) > key(&self.running[index]))
+            .unwrap_or(index);
+        if victim != index {
+            let job = &mut self.running[index];
+            job.backoff = policy::Backoff::new();
+            job.blocked_until = None;
+            // It runs nothing more, this step included.
+            for row in draft.rows.iter_mut().filter(|row| row.job == victim) {
+                row.live = false;
+            }
+        }
+        self.running[victim].preempted = true;
+    }
+
     /// A job that got a slot: running from now on, restoring its prefix first if one was
-    /// found, and running its first `first` prompt tokens after it in this step (the engine
+    /// pinned for it, and running its first prompt tokens after it in this step (the engine
     /// restores before the forward pass).
     fn admit(
         &mut self,
-        mut job: Job,
-        hit: Option<LookupHit>,
-        first: usize,
+        candidate: Candidate,
         slot: Slot,
         draft: &mut Draft,
-        ops: &mut Vec<StoreOp>,
+        step: &mut EngineStep,
     ) {
-        let (mut hit, mut first) = (hit, first);
+        let Candidate {
+            mut job,
+            mut pinned,
+            mut first,
+            ..
+        } = candidate;
+        let index = self.running.len();
         if let Some(logits) = job.first_logits.take() {
             self.stats.first_tokens_from_kept_logits += 1;
             if let Some(end) = self.first_token_from(&mut job, &logits) {
                 // Done before computing anything: its pages are never written, so nothing
                 // restores into them and nothing saves from them.
                 job.usage.cached_tokens = job.prompt_len;
-                (hit, first) = (None, 0);
-                draft.first_ends.push((self.running.len(), end));
+                first = 0;
+                if let Some(pinned) = pinned.take() {
+                    self.follow_ups
+                        .push(StoreFollowUp::FinishRestore(pinned.snapshot));
+                }
+                draft.first_ends.push((index, end));
             }
         }
-        if let Some(hit) = hit {
-            job.computed = resume_at(&job, hit.tokens);
-            job.restoring = Some(hit.snapshot);
-            ops.push(StoreOp::BeginRestore {
-                snapshot: hit.snapshot,
-                pages: hit.pages,
-                page_table: slot.pages.clone(),
+        if let Some(pinned) = pinned {
+            let plan = pinned
+                .plan(&slot.pages)
+                .expect("a new slot holds the positions it restores");
+            job.computed = resume_at(&job, plan.tokens);
+            job.restoring = Some(plan.snapshot);
+            job.usage.cached_tokens += job.computed;
+            self.stats.restored_tokens += job.computed as u64;
+            draft.restores.push((index, plan.snapshot));
+            step.restores.push(RestoreCopy {
+                backing: plan.backing,
+                copies: plan.copies,
+                snapshot: plan.snapshot,
+                prefix: plan.prefix,
+                tier: plan.tier,
             });
-            draft
-                .store_purposes
-                .push(StorePurpose::Restore(self.running.len()));
         }
         if first > 0 {
-            draft.rows.push(Row::new(
-                self.running.len(),
-                job.computed,
-                job.computed + first,
-            ));
+            draft
+                .rows
+                .push(Row::new(index, job.computed, job.computed + first));
         }
         job.slot = Some(slot);
         job.blocked_until = None;
@@ -935,74 +1184,71 @@ impl Scheduler {
         self.running.push(job);
     }
 
-    /// Charges a snapshot of each prompt completed this step and of each job being preempted.
-    fn plan_saves(&mut self, draft: &mut Draft, ops: &mut Vec<StoreOp>) {
-        let pt = self.config.page_tokens;
-        let mut wanted: Vec<(usize, usize, SaveKind)> = Vec::new();
-        for row in draft.rows.iter().filter(|r| r.live) {
-            let job = &self.running[row.job];
-            if !(row.start < job.prompt_len && row.end >= job.prompt_len) {
-                continue;
-            }
-            if job.keep_prompt {
-                wanted.push((row.job, job.prompt_len / pt, SaveKind::Kept));
-            } else if self.config.save_prompts
-                && !job.prompt_saved
-                && job.prompt_len >= self.config.min_save_tokens.max(pt)
-            {
-                wanted.push((row.job, job.prompt_len / pt, SaveKind::Prompt));
-            }
-        }
-        for &index in &draft.preempting {
-            let pages = self.running[index].computed / pt;
-            if pages > 0 {
-                wanted.push((index, pages, SaveKind::Preemption));
-            }
-        }
-        for (index, job) in self.running.iter().enumerate() {
-            if job.closing {
-                wanted.push((index, job.computed / pt, SaveKind::Reply));
-            }
-        }
-        for (index, pages, kind) in wanted {
-            let chain = self.running[index].chain(&self.hasher, pages).to_vec();
-            let tier = self.config.save_tier;
-            ops.push(match kind {
-                SaveKind::Prompt => StoreOp::BeginPromptSave { chain, tier },
-                SaveKind::Preemption | SaveKind::Reply => StoreOp::BeginSave { chain, tier },
-                SaveKind::Kept => StoreOp::BeginKeptSave { chain, tier },
+    /// Matches each save the store charged with the pages it copies: those of the job it is
+    /// for, if that job runs (and, for a prompt its row completes, if that row runs), else
+    /// the save is given up.
+    fn plan_save_copies(
+        &mut self,
+        draft: &mut Draft,
+        step: &mut EngineStep,
+        admitted_at: &[Option<usize>],
+    ) {
+        for (target, kind, row, reservation) in std::mem::take(&mut draft.reserved) {
+            let index = match target {
+                SaveFor::Running(index) => Some(index),
+                SaveFor::Candidate(c) => admitted_at[c],
+            };
+            let copied = index.filter(|&index| {
+                !row || draft
+                    .rows
+                    .iter()
+                    .any(|r| r.job == index && r.live && r.end >= self.running[index].prompt_len)
             });
-            draft.store_purposes.push(StorePurpose::Save(index, kind));
+            let Some(index) = copied else {
+                self.follow_ups.push(StoreFollowUp::Abort(reservation));
+                continue;
+            };
+            let pages = match draft.leaving_pages.iter().find(|(i, _)| *i == index) {
+                Some((_, pages)) => pages,
+                None => {
+                    &self.running[index]
+                        .slot
+                        .as_ref()
+                        .expect("saving jobs hold a slot")
+                        .pages
+                }
+            };
+            let copies = reservation
+                .copies(pages)
+                .expect("a save covers at most the pages the job holds");
+            let chain = self.running[index]
+                .chain(&self.hasher, reservation.pages())
+                .to_vec();
+            let after_restore = draft.restores.iter().position(|&(i, _)| i == index);
+            step.saves.push(SaveCopy {
+                backing: reservation.backing(),
+                tier: reservation.tier(),
+                bytes: reservation.bytes(),
+                copies,
+                snapshot: reservation.snapshot(),
+                chain,
+                after_restore,
+                before_forward: !row,
+            });
+            draft.saves_before_forward |= !row;
+            if kind == SaveKind::Kept {
+                self.running[index].usage.kept = Some(reservation.snapshot());
+            }
+            draft.saves.push((index, kind, reservation));
         }
     }
 
-    /// Phase 4: applies the store's answers and returns the engine step, if there is work.
-    pub fn plan_engine(&mut self, replies: Vec<StoreReply>) -> Option<EngineStep> {
-        let mut draft = self.draft.take().expect("plan_store ran");
-        let mut step = EngineStep {
-            id: 0,
-            evictions: std::mem::take(&mut draft.freed),
-            promotions: Vec::new(),
-            restores: Vec::new(),
-            forks: draft
-                .fork_copies
-                .iter_mut()
-                .map(|(_, _, clones)| std::mem::take(clones))
-                .collect(),
-            plan: StepPlan::default(),
-            rows: Vec::new(),
-            forget: Vec::new(),
-            row_steps: Vec::new(),
-            drafts: Vec::new(),
-            saves: Vec::new(),
-        };
+    /// Phase 3's end: the rows that run, with how each picks, into the engine step; `None`
+    /// when the step has nothing for the engine.
+    fn plan_rows_sent(&mut self, mut draft: Draft, mut step: EngineStep) -> Option<EngineStep> {
         let multi_step = draft.rows.iter().any(|row| row.live && row.steps > 1);
         let verify = draft.rows.iter().any(|row| row.live && row.draft > 0);
         self.stats.multi_steps += multi_step as u64;
-        let purposes = std::mem::take(&mut draft.store_purposes);
-        for (purpose, reply) in purposes.into_iter().zip(replies) {
-            self.apply_store_reply(&mut draft, &mut step, purpose, reply);
-        }
         for r in 0..draft.rows.len() {
             let row = draft.rows[r];
             if !row.live {
@@ -1104,121 +1350,88 @@ impl Scheduler {
         Some(step)
     }
 
-    fn apply_store_reply(
-        &mut self,
-        draft: &mut Draft,
-        step: &mut EngineStep,
-        purpose: StorePurpose,
-        reply: StoreReply,
-    ) {
-        match (purpose, reply) {
-            (
-                StorePurpose::Promote(_),
-                StoreReply::Promotion(Ok(PromotionStart::Started {
-                    promotion,
-                    evictions,
-                })),
-            ) => {
+    /// What candidate `c`'s lookup found: a prefix pinned for its restore, a disk snapshot
+    /// on its way back into memory (the candidate then waits in the queue for it), or
+    /// nothing it can use (it computes its prompt).
+    fn apply_found(&mut self, draft: &mut Draft, c: usize, found: Found) {
+        let candidate = &mut draft.candidates[c];
+        candidate.hit = found.hit;
+        match found.restore {
+            Some(Ok(pinned)) => candidate.pinned = Some(pinned),
+            Some(Err(e)) => tracing::warn!("restore refused, prefilling cold: {e}"),
+            None => {}
+        }
+        let Some(hit) = found.hit.filter(|h| h.tier == Tier::Disk) else {
+            return;
+        };
+        match found.promotion {
+            Some(Ok(PromotionStart::Started {
+                promotion,
+                evictions,
+            })) => {
                 self.demotions_in_flight +=
                     1 + evictions.iter().filter(|e| e.demoted_to.is_some()).count();
-                step.evictions.extend(evictions);
-                step.promotions.push(promotion);
+                draft.freed.extend(evictions);
+                draft.promotions.push(promotion);
+                candidate.job.awaiting = Some(hit.snapshot);
             }
-            (StorePurpose::Promote(_), StoreReply::Promotion(Ok(PromotionStart::InFlight))) => {}
-            (StorePurpose::Promote(snapshot), StoreReply::Promotion(Err(e))) => {
-                tracing::warn!("{snapshot} stays on disk, prefilling instead: {e}");
-                self.stop_awaiting(snapshot, false);
+            Some(Ok(PromotionStart::InFlight)) => candidate.job.awaiting = Some(hit.snapshot),
+            Some(Err(e)) => {
+                tracing::warn!("{} stays on disk, prefilling instead: {e}", hit.snapshot);
+                candidate.job.skip_disk = true;
+                self.stop_awaiting(hit.snapshot, false);
             }
-            (StorePurpose::Restore(index), StoreReply::Restore(Ok(plan))) => {
-                step.restores.push(RestoreCopy {
-                    backing: plan.backing,
-                    copies: plan.copies,
-                    snapshot: plan.snapshot,
-                    prefix: plan.prefix,
-                    tier: plan.tier,
-                });
-                draft.restores.push((index, plan.snapshot));
-                self.stats.restored_tokens += self.running[index].computed as u64;
-                self.running[index].usage.cached_tokens += self.running[index].computed;
-            }
-            (StorePurpose::Restore(index), StoreReply::Restore(Err(e))) => {
-                tracing::warn!("restore refused, prefilling cold: {e}");
-                let job = &mut self.running[index];
-                job.restoring = None;
-                job.computed = 0;
-                // Its first chunk started after the prefix that is not coming: next step.
-                for row in draft.rows.iter_mut().filter(|row| row.job == index) {
-                    row.live = false;
-                }
-            }
-            (
-                StorePurpose::Save(index, kind),
-                StoreReply::Save(Ok(SaveStart::Reserved {
-                    reservation,
-                    evictions,
-                })),
-            ) => {
-                let pages = &self.running[index]
-                    .slot
-                    .as_ref()
-                    .expect("saving jobs hold a slot")
-                    .pages;
-                let copies = reservation
-                    .copies(pages)
-                    .expect("a save covers at most the pages the job holds");
-                let chain = self.running[index]
-                    .chain(&self.hasher, reservation.pages())
-                    .to_vec();
-                let after_restore = draft.restores.iter().position(|&(i, _)| i == index);
-                step.saves.push(SaveCopy {
-                    backing: reservation.backing(),
-                    tier: reservation.tier(),
-                    bytes: reservation.bytes(),
-                    copies,
-                    snapshot: reservation.snapshot(),
-                    chain,
-                    after_restore,
-                });
-                if kind == SaveKind::Kept {
-                    self.running[index].usage.kept = Some(reservation.snapshot());
-                }
+            // Its read back failed before: it computes its prompt.
+            None => {}
+        }
+    }
+
+    /// The store's answer to a save: charged (to be matched with its pages once the pool has
+    /// answered), or not needed, or refused.
+    fn apply_save_start(
+        &mut self,
+        draft: &mut Draft,
+        target: SaveFor,
+        kind: SaveKind,
+        row: bool,
+        result: Result<SaveStart, CacheError>,
+    ) {
+        let job = match target {
+            SaveFor::Running(index) => &mut self.running[index],
+            SaveFor::Candidate(c) => &mut draft.candidates[c].job,
+        };
+        match result {
+            Ok(SaveStart::Reserved {
+                reservation,
+                evictions,
+            }) => {
                 self.demotions_in_flight +=
                     evictions.iter().filter(|e| e.demoted_to.is_some()).count();
-                step.evictions.extend(evictions);
-                draft.saves.push((index, kind, reservation));
+                draft.freed.extend(evictions);
+                draft.reserved.push((target, kind, row, reservation));
+                return;
             }
-            (
-                StorePurpose::Save(index, SaveKind::Prompt),
-                StoreReply::Save(Ok(SaveStart::AlreadyStored(_))),
-            ) => {
-                self.running[index].prompt_saved = true;
-                self.running[index].prompt_stored = true;
+            Ok(SaveStart::AlreadyStored(id)) => match kind {
+                SaveKind::Prompt => {
+                    job.prompt_saved = true;
+                    job.prompt_stored = true;
+                }
+                SaveKind::Kept => job.usage.kept = Some(id),
+                SaveKind::Preemption | SaveKind::Reply => {}
+            },
+            Ok(SaveStart::NotSeenEnough) => {
+                if kind == SaveKind::Prompt {
+                    job.prompt_saved = true;
+                }
             }
-            (
-                StorePurpose::Save(index, SaveKind::Prompt),
-                StoreReply::Save(Ok(SaveStart::NotSeenEnough)),
-            ) => {
-                self.running[index].prompt_saved = true;
+            Err(e) => {
+                if kind == SaveKind::Kept {
+                    job.keep_failure = Some(e.to_string());
+                }
             }
-            (StorePurpose::Save(index, SaveKind::Reply), StoreReply::Save(_)) => {
-                draft.closed.push(index);
-            }
-            (
-                StorePurpose::Save(index, SaveKind::Kept),
-                StoreReply::Save(Ok(SaveStart::AlreadyStored(id))),
-            ) => {
-                self.running[index].usage.kept = Some(id);
-            }
-            (StorePurpose::Save(index, SaveKind::Kept), StoreReply::Save(Err(e))) => {
-                self.running[index].keep_failure = Some(e.to_string());
-            }
-            (
-                StorePurpose::Save(..),
-                StoreReply::Save(
-                    Ok(SaveStart::AlreadyStored(_) | SaveStart::NotSeenEnough) | Err(_),
-                ),
-            ) => {}
-            (purpose, reply) => unreachable!("store answered {reply:?} to {purpose:?}"),
+        }
+        if let (SaveKind::Reply, SaveFor::Running(index)) = (kind, target) {
+            draft.closed.push(index);
         }
     }
 
@@ -1258,6 +1471,7 @@ impl Scheduler {
                 // restores and forks, the last step's saves).
                 let copies_before = !draft.restores.is_empty()
                     || !draft.fork_copies.is_empty()
+                    || draft.saves_before_forward
                     || self.saved_last_step;
                 if !draft.sent_prompt_chunk && !copies_before {
                     self.verify_time
@@ -1545,7 +1759,22 @@ impl Scheduler {
             let ending = ended.iter().any(|(index, _)| *index == row.job);
             if !ending {
                 self.trim(row.job);
+                self.owe_prompt_save(draft, row);
             }
+        }
+    }
+
+    /// A row that completed its job's prompt without a save charged for it (its first chunk
+    /// completed it only thanks to a hit): the save is charged next step, if the policy wants
+    /// one.
+    fn owe_prompt_save(&mut self, draft: &Draft, row: Row) {
+        let job = &self.running[row.job];
+        let completed = row.start < job.prompt_len && row.end >= job.prompt_len;
+        if completed
+            && self.prompt_save_kind(job) == Some(SaveKind::Prompt)
+            && !draft.saves.iter().any(|(index, ..)| *index == row.job)
+        {
+            self.running[row.job].save_owed = true;
         }
     }
 
@@ -1656,6 +1885,8 @@ impl Scheduler {
                 None => {
                     self.stats.preemptions += 1;
                     job.usage.preemptions += 1;
+                    job.preempted = false;
+                    job.leave_charged = false;
                     job.computed = 0;
                     job.forget_in_flight();
                     job.backoff = policy::Backoff::new();
@@ -1685,6 +1916,9 @@ impl Scheduler {
         let job = &mut self.running[index];
         job.announce_finish(reason);
         job.closing = true;
+        // Its reply's save is charged next step (a preemption's, if one was, is not needed).
+        job.preempted = false;
+        job.leave_charged = false;
         // A step planned before it finished may have a row for it: that pick is not its.
         job.forget_in_flight();
         let latency = now.saturating_duration_since(job.submitted_at);
@@ -1721,6 +1955,15 @@ impl Scheduler {
         self.retire(&job);
         self.stats.failed += 1;
         job.fail(error);
+    }
+}
+
+/// The store request charging a save of `kind` of `chain`.
+fn save_op(kind: SaveKind, chain: Vec<cache::PrefixHash>, tier: Tier) -> StoreOp {
+    match kind {
+        SaveKind::Prompt => StoreOp::BeginPromptSave { chain, tier },
+        SaveKind::Preemption | SaveKind::Reply => StoreOp::BeginSave { chain, tier },
+        SaveKind::Kept => StoreOp::BeginKeptSave { chain, tier },
     }
 }
 

@@ -126,7 +126,7 @@ pub(super) fn drive_step(
     (rows, outcome)
 }
 
-/// Plans one step as the `Admission` actor does (the store, pool and store exchanges) and
+/// Plans one step as the `Admission` actor does (the store's exchange, then the pool's) and
 /// returns its engine step; with none, the step waits for `finish_step(None)`.
 pub(super) fn plan_step(
     scheduler: &mut Scheduler,
@@ -135,26 +135,44 @@ pub(super) fn plan_step(
     engine: &mut Engine,
     between: impl FnOnce(&SnapshotStore, &Engine, &[cache::BackingId]),
 ) -> Option<crate::exchange::EngineStep> {
+    use crate::exchange::{StoreOp, StoreReply};
     let now = Instant::now();
-    let lookups = scheduler.begin_step(now);
-    let replies: Vec<_> = lookups.into_iter().map(|op| store.apply(op)).collect();
-    // Buffers the store gave up in these follow-ups: the engine frees them in this step.
+    let ops = scheduler.begin_step(now);
+    // The follow-ups of the last steps come first: once the store has taken them, it and the
+    // engine agree (but for the buffers those follow-ups gave up, which this step frees).
+    let follow_ups = ops
+        .iter()
+        .take_while(|op| {
+            !matches!(
+                op,
+                StoreOp::Find { .. }
+                    | StoreOp::BeginSave { .. }
+                    | StoreOp::BeginKeptSave { .. }
+                    | StoreOp::BeginPromptSave { .. }
+            )
+        })
+        .count();
+    let mut ops = ops.into_iter();
+    let mut replies: Vec<_> = ops
+        .by_ref()
+        .take(follow_ups)
+        .map(|op| store.apply(op))
+        .collect();
     let freeing: Vec<cache::BackingId> = replies
         .iter()
         .filter_map(|reply| match reply {
-            crate::exchange::StoreReply::Freed(Ok(freed)) => Some(freed),
+            StoreReply::Freed(Ok(freed)) => Some(freed),
             _ => None,
         })
         .flatten()
         .map(|eviction| eviction.backing)
         .collect();
     between(store, engine, &freeing);
+    replies.extend(ops.map(|op| store.apply(op)));
     let ops = scheduler.plan_pool(replies);
     let replies: Vec<_> = ops.into_iter().map(|op| pool.apply(op)).collect();
     let stats = pool.stats();
-    let ops = scheduler.plan_store(replies, Some(stats), now);
-    let replies = ops.into_iter().map(|op| store.apply(op)).collect();
-    scheduler.plan_engine(replies)
+    scheduler.plan_engine(replies, Some(stats), now)
 }
 
 fn rows_of(plan: &StepPlan) -> Vec<(usize, usize)> {
@@ -1132,4 +1150,85 @@ fn a_request_cancelled_with_two_steps_in_flight_ends_once_and_gives_back_its_pag
     h.submit_exactly(vec![3, 4, 5], 1);
     driver.run(&mut h, 10);
     assert_eq!(h.engine.kept_samplers(), Vec::new());
+}
+
+/// Three requests admitted optimistically into a pool that holds one to its end, with no
+/// room in the store for what a preempted one computed: each time one runs dry, the youngest
+/// gives way, so the oldest always progresses and all three end. (Had each preempted itself,
+/// two could take turns losing their work for ever.)
+#[test]
+fn the_youngest_request_gives_way_when_the_pool_runs_dry() {
+    let toml = "[cache]\nreservation = \"optimistic\"\n[snapshots]\ndevice_budget_bytes = 0\n\
+                [backoff]\nbase_ms = 1\nmax_ms = 1\nmax_attempts = 1\non_exhausted = \"preempt\"\n";
+    let mut h = Harness::new(6, toml);
+    let mut streams: Vec<RequestStream> = (0..3)
+        .map(|i| {
+            let prompt = (0..20u32).map(|t| 3 + (t * 5 + i) % 200).collect();
+            h.submit_exactly(prompt, 60)
+        })
+        .collect();
+    let mut usages = vec![None; streams.len()];
+    for _ in 0..2_000 {
+        let (_, outcome) = h.step_outcome();
+        for (stream, usage) in streams.iter_mut().zip(&mut usages) {
+            while let Some(event) = stream.try_next() {
+                match event {
+                    Event::Token(_) => {}
+                    Event::Finished { usage: u, .. } => *usage = Some(u),
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        if usages.iter().all(Option::is_some) {
+            break;
+        }
+        if !outcome.ready
+            && let Some(wake) = outcome.wake_at
+        {
+            std::thread::sleep(wake.saturating_duration_since(Instant::now()));
+        }
+    }
+    let usages: Vec<_> = usages
+        .into_iter()
+        .map(|u| u.expect("every request ends"))
+        .collect();
+    assert!(usages.iter().all(|u| u.completion_tokens == 60));
+    assert_eq!(usages[0].preemptions, 0, "the oldest never gave way");
+    assert!(h.scheduler.stats().preemptions > 0, "the pool did run dry");
+    h.step();
+    assert_eq!(h.pool.stats().used_pages, 0);
+}
+
+/// A prompt whose first chunk completes it only because a stored prefix shortened it (its
+/// save could not be charged with its lookup, in the step's one exchange with the store) is
+/// saved from the next step, and a repeat restores all of it.
+#[test]
+fn a_prompt_completed_thanks_to_a_restore_is_saved_the_step_after() {
+    // A step takes 64 prompt tokens: an 81-token prompt needs two chunks cold.
+    let toml = "[admission]\nstep_token_budget = 64\n";
+    let mut h = Harness::new(32, toml);
+    let head: Vec<u32> = (0..64u32).map(|i| 3 + (i * 7) % 200).collect();
+    let mut long = head.clone();
+    long.extend((0..16u32).map(|i| 100 + i));
+    long.push(7);
+    let mut stream = h.submit_exactly(head, 1);
+    drive_to_the_end(&mut h, std::slice::from_mut(&mut stream), 20);
+    // The 64-token head is stored: the longer prompt restores it, and its first chunk (its
+    // other 17 tokens) completes it in one step.
+    let mut stream = h.submit_exactly(long.clone(), 4);
+    h.step();
+    assert_eq!(h.scheduler.stats().restored_tokens, 64);
+    assert!(
+        !tokens(&mut stream).0.is_empty(),
+        "its first token, one step in"
+    );
+    drive_to_the_end(&mut h, std::slice::from_mut(&mut stream), 20);
+    h.step();
+    let mut repeat = h.submit_exactly(long, 1);
+    drive_to_the_end(&mut h, std::slice::from_mut(&mut repeat), 20);
+    assert_eq!(
+        h.scheduler.stats().restored_tokens,
+        64 + 80,
+        "the repeat restored the whole 80-token head"
+    );
 }

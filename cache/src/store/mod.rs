@@ -236,6 +236,52 @@ impl RestorePlan {
     }
 }
 
+/// A snapshot pinned for a restore whose destination pages are not known yet
+/// ([`SnapshotStore::pin_restore`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PinnedRestore {
+    pub snapshot: SnapshotId,
+    pub backing: BackingId,
+    pub tier: Tier,
+    /// Pages restored: the head of the snapshot.
+    pub pages: usize,
+    /// The chained hash of the last page restored: the backing's frame must name it.
+    pub prefix: PrefixHash,
+    pub bytes: u64,
+    geometry: SnapshotGeometry,
+}
+
+impl PinnedRestore {
+    pub fn tokens(&self) -> usize {
+        self.pages * self.geometry.kv.page_tokens
+    }
+
+    /// The copies into the head of `page_table` (the new slot's pages).
+    pub fn plan(&self, page_table: &[PageId]) -> Result<RestorePlan, CacheError> {
+        Ok(RestorePlan {
+            snapshot: self.snapshot,
+            backing: self.backing,
+            tier: self.tier,
+            tokens: self.tokens(),
+            prefix: self.prefix,
+            bytes: self.bytes,
+            copies: page_copies(self.pages, page_table)?,
+            geometry: self.geometry,
+        })
+    }
+}
+
+/// The answer to [`SnapshotStore::find`].
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Found {
+    /// The longest stored prefix, if any.
+    pub hit: Option<LookupHit>,
+    /// For a hit in memory: its pin, to be planned into the new slot's pages.
+    pub restore: Option<Result<PinnedRestore, CacheError>>,
+    /// For a hit on disk, when promotion was asked for: its read back into memory.
+    pub promotion: Option<Result<PromotionStart, CacheError>>,
+}
+
 /// The answer to [`SnapshotStore::begin_promotion`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PromotionStart {
@@ -877,6 +923,21 @@ impl SnapshotStore {
         pages: usize,
         page_table: &[PageId],
     ) -> Result<RestorePlan, CacheError> {
+        let pinned = self.pin_restore(id, pages)?;
+        pinned.plan(page_table).inspect_err(|_| {
+            self.unpin(id);
+        })
+    }
+
+    /// Pins snapshot `id` for the restore of its first `pages` pages (a lookup hit's), before
+    /// the pages it goes to are known: [`PinnedRestore::plan`] pairs them once they are. A
+    /// restore is a use. Call `finish_restore` when the copies are done or failed, or the
+    /// restore is given up.
+    pub fn pin_restore(
+        &mut self,
+        id: SnapshotId,
+        pages: usize,
+    ) -> Result<PinnedRestore, CacheError> {
         let geometry = self.geometry;
         let found = self.snapshot(id)?;
         if found.findable() && found.source().1 == Tier::Disk {
@@ -891,7 +952,6 @@ impl SnapshotStore {
                 snapshot_pages: snapshot.pages,
             });
         }
-        let copies = page_copies(pages, page_table)?;
         snapshot.pins += 1;
         let (backing, tier) = snapshot.source();
         let bytes = if partial {
@@ -901,20 +961,46 @@ impl SnapshotStore {
         };
         let prefix = snapshot.chain[pages - 1];
         self.touch(id);
-        let tokens = pages * self.geometry.kv.page_tokens;
-        Ok(RestorePlan {
+        Ok(PinnedRestore {
             snapshot: id,
             backing,
             tier,
-            tokens,
+            pages,
             prefix,
             bytes,
-            copies,
-            geometry: self.geometry,
+            geometry,
         })
     }
 
-    /// Unpins a snapshot pinned by `begin_restore`.
+    /// A request's whole dealing with the store before it is admitted, in one call: the
+    /// longest stored prefix of `chain` ([`SnapshotStore::lookup_longest`]), pinned for its
+    /// restore when it is in memory, or, when it is on disk and `promote` is set, on its way
+    /// back into memory ([`SnapshotStore::begin_promotion`]).
+    pub fn find(&mut self, chain: &[PrefixHash], promote: bool) -> Found {
+        let Some(hit) = self.lookup_longest(chain) else {
+            return Found::default();
+        };
+        let mut found = Found {
+            hit: Some(hit),
+            ..Found::default()
+        };
+        if hit.tier == Tier::Disk {
+            if promote {
+                found.promotion = Some(self.begin_promotion(hit.snapshot));
+            }
+        } else {
+            found.restore = Some(self.pin_restore(hit.snapshot, hit.pages));
+        }
+        found
+    }
+
+    fn unpin(&mut self, id: SnapshotId) {
+        if let Some(snapshot) = self.snapshots.get_mut(&id) {
+            snapshot.pins = snapshot.pins.saturating_sub(1);
+        }
+    }
+
+    /// Unpins a snapshot pinned by `begin_restore` or `pin_restore`.
     pub fn finish_restore(&mut self, id: SnapshotId) -> Result<(), CacheError> {
         let snapshot = self.restorable(id)?;
         if snapshot.pins == 0 {

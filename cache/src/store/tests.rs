@@ -890,3 +890,43 @@ fn a_flush_plans_memory_snapshots_newest_first_within_the_disk_budget() {
     assert_eq!(order, vec![a, c], "a was used last, then c; b does not fit");
     let _ = b;
 }
+
+#[test]
+fn find_pins_a_memory_hit_for_pages_named_later_and_starts_a_disk_hits_read_back() {
+    let mut store = disk_store(20, 100);
+    let (a, _) = save(&mut store, &[1, 2]);
+    // In memory: pinned before the pages it goes to are known.
+    let found = store.find(&chain(&[1, 2, 3]), true);
+    let hit = found.hit.unwrap();
+    assert_eq!((hit.snapshot, hit.pages, hit.tier), (a, 2, Tier::Device));
+    let pinned = found.restore.unwrap().unwrap();
+    assert!(found.promotion.is_none());
+    assert_eq!(store.discard(a), Err(CacheError::Pinned { snapshot: a }));
+    let plan = pinned.plan(&[PageId(7), PageId(3), PageId(9)]).unwrap();
+    assert_eq!(plan.tokens, 2 * PAGE_TOKENS);
+    assert_eq!(
+        plan.copies.iter().map(|c| c.pool_page).collect::<Vec<_>>(),
+        [PageId(7), PageId(3)]
+    );
+    assert!(matches!(
+        pinned.plan(&[PageId(7)]),
+        Err(CacheError::ShortPageTable { .. })
+    ));
+    store.finish_restore(a).unwrap();
+    assert!(store.discard(a).is_ok());
+
+    // On disk: read back when asked, found in flight by the next; not pinned.
+    let (b, _) = store.adopt_disk(&chain(&[4]), false).unwrap();
+    let found = store.find(&chain(&[4]), false);
+    assert_eq!(found.hit.map(|h| h.tier), Some(Tier::Disk));
+    assert!(found.restore.is_none() && found.promotion.is_none());
+    let found = store.find(&chain(&[4]), true);
+    assert!(matches!(
+        found.promotion,
+        Some(Ok(PromotionStart::Started { .. }))
+    ));
+    let found = store.find(&chain(&[4]), true);
+    assert_eq!(found.promotion, Some(Ok(PromotionStart::InFlight)));
+    assert_eq!(store.find(&chain(&[5]), true), Found::default());
+    let _ = b;
+}
