@@ -24,6 +24,9 @@ pub(crate) struct Slot {
     pub pages: Vec<PageId>,
     /// Positions the pool has allocated for the job.
     pub held_tokens: usize,
+    /// Changes whenever `pages` changes other than by growing (a new slot, a cut): a copy of
+    /// a table of the same version is a head of this one.
+    pub version: u64,
 }
 
 #[derive(Debug)]
@@ -98,6 +101,9 @@ pub(crate) struct Job {
     /// The key under which the logits of its pick after the prompt are kept, when this step
     /// makes that pick and its prompt is saved or restored whole.
     pub keep_logits_as: Option<PrefixHash>,
+    /// The plan row an answered step handed back, with the version of the page table it
+    /// holds: its next row copies only the pages added since.
+    pub spare_row: Option<(engine::backend::RowPlan, u64)>,
 }
 
 impl Job {
@@ -150,6 +156,7 @@ impl Job {
             acceptance: policy::Acceptance::default(),
             first_logits: None,
             keep_logits_as: None,
+            spare_row: None,
         }
     }
 

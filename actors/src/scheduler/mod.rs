@@ -197,6 +197,8 @@ pub struct Scheduler {
     sampler_slots: u32,
     /// Row buffers of past steps, refilled instead of reallocated.
     spare_rows: Vec<engine::backend::RowPlan>,
+    /// The next page-table version ([`job::Slot::version`]).
+    next_table_version: u64,
     /// Pages nobody holds or is promised, as the pool last said; admission stops at the first
     /// queued job whose reservation does not fit (first come, first served).
     available_pages: usize,
@@ -242,6 +244,7 @@ impl Scheduler {
             free_sampler_slots: Vec::new(),
             sampler_slots: 0,
             spare_rows: Vec::new(),
+            next_table_version: 0,
             available_pages: config.total_pages,
             stats: SchedulerStats::default(),
             latency_ewma: Duration::from_millis(500),

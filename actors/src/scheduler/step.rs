@@ -200,6 +200,8 @@ pub(super) struct Draft {
     recompute: Vec<usize>,
     /// Plan row index to draft row index, for the rows sent to the engine.
     sent_rows: Vec<usize>,
+    /// The page-table version of each row sent, by plan row.
+    sent_versions: Vec<u64>,
     /// Tokens of the rows sent to the engine (of its first decode step, in a multi-step one).
     sent_tokens: usize,
     /// Whether a row sent holds more than one token before its draft (a prompt chunk).
@@ -892,6 +894,7 @@ impl Scheduler {
                                     candidate.first,
                                 ),
                                 pages,
+                                version: self.table_version(),
                             };
                             admitted.push((c, candidate, slot));
                         }
@@ -924,6 +927,7 @@ impl Scheduler {
                                 handle,
                                 held_tokens: job.tokens.len() - 1 + runs_now as usize,
                                 pages,
+                                version: self.table_version(),
                             };
                             forked.push((job, leader, runs_now, slot));
                         }
@@ -1263,12 +1267,25 @@ impl Scheduler {
             // Its one token is the pick of the step in flight, which the engine fills in.
             let follows = row.start == job.tokens.len();
             let slot = job.slot.as_ref().expect("running jobs hold a slot");
-            let mut plan_row = self.spare_rows.pop().unwrap_or_else(|| RowPlan {
-                tokens: Vec::new(),
-                start_pos: 0,
-                pages: Vec::new(),
-                logits: LogitsWanted::None,
-            });
+            // The row its job's last answered step handed back holds its page table as it was
+            // then, which this one extends (a table only grows between versions).
+            let (mut plan_row, had) = match job.spare_row.take() {
+                Some((row, version)) if version == slot.version => {
+                    let had = row.pages.len();
+                    (row, had)
+                }
+                spare => {
+                    let row = spare.map(|(row, _)| row).or_else(|| self.spare_rows.pop());
+                    let row = row.unwrap_or_else(|| RowPlan {
+                        tokens: Vec::new(),
+                        start_pos: 0,
+                        pages: Vec::new(),
+                        logits: LogitsWanted::None,
+                    });
+                    (row, 0)
+                }
+            };
+            draft.sent_versions.push(slot.version);
             plan_row.tokens.clear();
             if follows {
                 plan_row.tokens.push(0);
@@ -1281,8 +1298,10 @@ impl Scheduler {
                 .tokens
                 .extend_from_slice(&draft.drafted[row.draft_at..row.draft_at + row.draft]);
             // Copied, not lent: the next step may be planned before this one answers.
-            plan_row.pages.clear();
-            plan_row.pages.extend_from_slice(&slot.pages);
+            plan_row.pages.truncate(had.min(slot.pages.len()));
+            plan_row
+                .pages
+                .extend_from_slice(&slot.pages[plan_row.pages.len()..]);
             plan_row.start_pos = row.start;
             plan_row.logits = match (sample, row.draft) {
                 (false, _) => LogitsWanted::None,
@@ -1555,6 +1574,22 @@ impl Scheduler {
         mut reply: EngineStepReply,
         ended: &mut Vec<(usize, End)>,
     ) {
+        // Each row goes back to its job, if it is still here, for its next row to extend.
+        for (row, (&r, &version)) in reply
+            .plan
+            .rows
+            .drain(..)
+            .zip(draft.sent_rows.iter().zip(&draft.sent_versions))
+        {
+            match self.running.get_mut(draft.rows[r].job) {
+                Some(job) => {
+                    if let Some((old, _)) = job.spare_row.replace((row, version)) {
+                        self.spare_rows.push(old);
+                    }
+                }
+                None => self.spare_rows.push(row),
+            }
+        }
         self.spare_rows.append(&mut reply.plan.rows);
         let mut corrupt = Vec::new();
         for (&(index, snapshot), result) in draft.restores.iter().zip(reply.restores) {
@@ -1800,6 +1835,8 @@ impl Scheduler {
         }
         slot.held_tokens = tokens;
         slot.pages.truncate(tokens.div_ceil(pt));
+        slot.version = self.next_table_version;
+        self.next_table_version += 1;
         self.truncates.push((slot.handle, tokens));
     }
 
@@ -1955,6 +1992,14 @@ impl Scheduler {
         self.retire(&job);
         self.stats.failed += 1;
         job.fail(error);
+    }
+}
+
+impl Scheduler {
+    /// A version for a new page table.
+    fn table_version(&mut self) -> u64 {
+        self.next_table_version += 1;
+        self.next_table_version - 1
     }
 }
 
