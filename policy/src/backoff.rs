@@ -13,7 +13,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OnExhausted {
-    /// Save the job's KV to the snapshot store, release its pages, and restore it later.
+    /// Preempt the youngest running job (this one, if none is younger): save its KV to the
+    /// snapshot store where there is room, release its pages, requeue it to restore later.
+    /// The oldest job thus always progresses.
     #[default]
     Preempt,
     /// Fail the job with a clear error.
