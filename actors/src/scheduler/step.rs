@@ -1029,31 +1029,40 @@ impl Scheduler {
 
     /// Job `index` ran out of attempts to grow: the youngest running request gives way (it
     /// runs no more; the next step saves what it computed, gives its pages back and requeues
-    /// it). When that is another, `index` tries again at once, with the pages it frees. The
-    /// oldest request thus always progresses, whatever the pool's size: two requests that
-    /// each preempted the other whenever they ran dry could both lose their work for ever
-    /// (when the store has no room for what they computed).
+    /// it), and `index` tries again at once, with the pages it frees. When none is younger,
+    /// `index` tries again too if a job preempted before it is yet to give its pages back,
+    /// else it gives way itself. The oldest request thus always progresses, whatever the
+    /// pool's size: two requests that each preempted themselves whenever they ran dry (in the
+    /// same step, say) could both lose their work for ever, or restore it only to run dry
+    /// together again.
     fn preempt_for(&mut self, index: usize, draft: &mut Draft) {
         let key = |job: &Job| (job.submitted_at, job.id.0);
-        let victim = self
+        let younger = self
             .running
             .iter()
             .enumerate()
             .filter(|(_, job)| job.slot.is_some() && !job.closing && !job.preempted)
             .max_by_key(|(_, job)| key(job))
             .map(|(victim, _)| victim)
-            .filter(|&victim| key(&self.running[victim]) > key(&self.running[index]))
-            .unwrap_or(index);
-        if victim != index {
-            let job = &mut self.running[index];
-            job.backoff = policy::Backoff::new();
-            job.blocked_until = None;
+            .filter(|&victim| key(&self.running[victim]) > key(&self.running[index]));
+        let pages_coming = self
+            .running
+            .iter()
+            .any(|job| job.preempted && !job.leave_charged);
+        if younger.is_none() && !pages_coming {
+            self.running[index].preempted = true;
+            return;
+        }
+        let job = &mut self.running[index];
+        job.backoff = policy::Backoff::new();
+        job.blocked_until = None;
+        if let Some(victim) = younger {
             // It runs nothing more, this step included.
             for row in draft.rows.iter_mut().filter(|row| row.job == victim) {
                 row.live = false;
             }
+            self.running[victim].preempted = true;
         }
-        self.running[victim].preempted = true;
     }
 
     /// A job that got a slot: running from now on, restoring its prefix first if one was
