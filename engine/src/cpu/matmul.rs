@@ -138,8 +138,6 @@ const WIDEN_FIRST_ROWS: usize = 4;
 /// Weight rows widened at a time: 24 rows of 1,536 f32 weights are 144 KiB, under a core's L2
 /// (the 96 rows of a task would be 576 KiB, read from L3 once per four input rows).
 const WIDEN_PART_ROWS: usize = 24;
-/// Input rows per tile.
-const TILE_ROWS: usize = 4;
 
 /// The instruction set a product runs with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -371,20 +369,23 @@ pub fn dots(
 /// # Safety
 /// The block's pointers must be valid for its rows, columns and `k`, and `isa` available.
 unsafe fn run_tiled<W: Weight>(isa: Isa, block: Tile<W>) {
-    let max_cols = match isa {
+    // Input rows and weight rows a tile takes (its register tiles may be smaller).
+    let (tile_rows, max_cols) = match isa {
         // 4 × 4 rather than 4 × 6: the 24 accumulators of 4 × 6 plus their operands left LLVM
         // spilling accumulators to the stack inside the loop (BENCHMARKS.md: prefill +60%).
-        Isa::Avx512 => 4,
-        Isa::Avx2 => 2,
-        Isa::Portable => 1,
+        Isa::Avx512 => (4, 4),
+        // Two register tiles of 3 × 2, each weight row's lanes loaded once for three input
+        // rows (BENCHMARKS.md: 3 × 2 against 2 × 2).
+        Isa::Avx2 => (6, 2),
+        Isa::Portable => (4, 1),
     };
-    for r in (0..block.rows).step_by(TILE_ROWS) {
+    for r in (0..block.rows).step_by(tile_rows) {
         for c in (0..block.cols).step_by(max_cols) {
             let tile = Tile {
                 x: unsafe { block.x_row(r) },
                 w: unsafe { block.w_row(c) },
                 out: unsafe { block.out_at(r, c) },
-                rows: (block.rows - r).min(TILE_ROWS),
+                rows: (block.rows - r).min(tile_rows),
                 cols: (block.cols - c).min(max_cols),
                 ..block
             };
@@ -570,9 +571,11 @@ mod x86 {
     }
 
     /// AVX2 with FMA: two registers hold lanes 0..8 and 8..16 of an element. With several input
-    /// rows, tiles of 2 × 2 elements keep their 8 accumulators in registers, so a weight row
-    /// loaded once serves two input rows (BENCHMARKS.md: prefill 1.2-2× on 2 AVX2 cores); one
-    /// input row (decode) runs element by element, which measured faster than a 1 × 2 tile.
+    /// rows, tiles of 3 × 2 elements keep their 12 accumulators in registers (with the five
+    /// operands of a step, 15 of the 16), so a weight row loaded once serves three input rows
+    /// (BENCHMARKS.md: 2 × 2 tiles gave prefill 1.2-2× on 2 AVX2 cores, 3 × 2 another
+    /// 15-25%); one input row (decode) runs element by element, which measured faster than a
+    /// 1 × 2 tile.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn tile_avx2<W: Weight>(t: Tile<W>) {
         unsafe {
@@ -605,17 +608,19 @@ mod x86 {
                 }
                 return;
             }
-            for r in (0..t.rows).step_by(2) {
+            for r in (0..t.rows).step_by(3) {
                 for c in (0..t.cols).step_by(2) {
                     let part = Tile {
                         x: t.x_row(r),
                         w: t.w_row(c),
                         out: t.out_at(r, c),
-                        rows: (t.rows - r).min(2),
+                        rows: (t.rows - r).min(3),
                         cols: (t.cols - c).min(2),
                         ..t
                     };
                     match (part.rows, part.cols) {
+                        (3, 2) => tile256::<W, 3, 2>(part),
+                        (3, 1) => tile256::<W, 3, 1>(part),
                         (2, 2) => tile256::<W, 2, 2>(part),
                         (2, 1) => tile256::<W, 2, 1>(part),
                         (1, 2) => tile256::<W, 1, 2>(part),
