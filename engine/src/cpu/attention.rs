@@ -214,22 +214,43 @@ fn softmax_pv(v: &[f32], rows: &[usize], scores: &mut [f32], scale: f32, out: &m
         let max = head
             .iter()
             .fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
-        let mut sum = 0f32;
+        // The exponentials in a loop of their own, which vectorizes; the sum in position
+        // order after it (a float sum in a vector loop would be reordered).
         for s in head.iter_mut() {
             *s = exp_body(*s * scale - max);
-            sum += *s;
         }
+        let sum = head.iter().fold(0f32, |sum, &s| sum + s);
         let inv = 1.0 / sum;
         head.iter_mut().for_each(|s| *s *= inv);
     }
-    out.fill(0.0);
-    for (j, &at) in rows.iter().enumerate() {
-        let v_row = &v[at..at + d];
-        for (h, out) in out.chunks_exact_mut(d).enumerate() {
-            let w = scores[h * visible + j];
-            for (o, &x) in out.iter_mut().zip(v_row) {
-                *o = w.mul_add(x, *o);
+    // A head at a time, its output row held in registers where the head is 64 or 128 wide:
+    // each element still sums its V column in position order, from zero.
+    for (head, out) in scores.chunks_exact(visible).zip(out.chunks_exact_mut(d)) {
+        match d {
+            64 => weighted_rows::<64>(v, rows, head, out),
+            128 => weighted_rows::<128>(v, rows, head, out),
+            _ => {
+                out.fill(0.0);
+                for (&w, &at) in head.iter().zip(rows) {
+                    for (o, &x) in out.iter_mut().zip(&v[at..at + d]) {
+                        *o = w.mul_add(x, *o);
+                    }
+                }
             }
         }
     }
+}
+
+/// `out = Σ_j weights[j] · v[rows[j]..][..D]`, each element summed in order from zero, in a
+/// local array the compiler keeps in registers (inlined into `softmax_pv`'s versions).
+#[inline(always)]
+fn weighted_rows<const D: usize>(v: &[f32], rows: &[usize], weights: &[f32], out: &mut [f32]) {
+    let mut acc = [0f32; D];
+    for (&w, &at) in weights.iter().zip(rows) {
+        let v_row: &[f32; D] = v[at..at + D].try_into().expect("a whole V row");
+        for (a, &x) in acc.iter_mut().zip(v_row) {
+            *a = w.mul_add(x, *a);
+        }
+    }
+    out.copy_from_slice(&acc);
 }
