@@ -12,11 +12,15 @@
 //! verifications counting most, and drifting back toward a prior while its drafts are declined
 //! (so that a request whose drafts failed tries again now and then). Position `k` of a draft is then kept with probability about
 //! `rate^k`. [`draft_lengths`] hands out drafted tokens one at a time, always to the row whose
-//! next token is most likely kept, while that token's expected yield per second is above the
-//! step's (tokens sampled per predicted second), using the linear step time the scheduler
-//! learns from its own decode and verify steps ([`StepTimeFit`]). Without such a fit (nothing
-//! learnt yet, or steps all of one size, so the cost of a token cannot be told from the cost
-//! of a step) every row verifies its whole proposal, which is also how the fit learns.
+//! next token is most likely kept, and keeps the prefix of that order whose expected tokens per
+//! predicted second are highest, no drafts at all included. The scheduler learns the two costs
+//! apart from its own steps ([`DraftCost`]): a step without drafts, and a verify step as a
+//! line in its tokens. They differ by more than the drafted tokens' compute: a verify step
+//! takes another path through the engine (on the H200, SmolLM2's batch-1 decode step is 0.58
+//! ms and a verify step of two tokens ~0.9), and one line through both kinds of step read that
+//! fixed difference as a per-token cost of ~0.4 ms, declined every draft and never learnt
+//! otherwise. Until both are known every row verifies its whole proposal, which is also how
+//! they are learnt.
 //!
 //! Costs: O(drafted tokens × rows) per step, two floats per request.
 
@@ -82,36 +86,55 @@ pub struct DraftOffer {
     pub proposed: usize,
 }
 
+/// What a step costs with and without drafts, as the scheduler has learnt it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DraftCost {
+    /// The step as planned, without drafts.
+    pub plain_seconds: f64,
+    /// A step that verifies drafts, by its tokens (drafted ones included).
+    pub verify: StepTimeFit,
+}
+
 /// How many of each offer's tokens to verify, in order: `tokens` is what the step holds without
 /// drafts, `sampled` how many tokens it picks without drafts (its rows that sample).
 pub fn draft_lengths(
     offers: &[DraftOffer],
     tokens: usize,
     sampled: usize,
-    cost: Option<StepTimeFit>,
+    cost: Option<DraftCost>,
 ) -> Vec<usize> {
-    let Some(cost) = cost else {
-        return offers.iter().map(|offer| offer.proposed).collect();
+    let whole = || offers.iter().map(|offer| offer.proposed).collect();
+    let Some(cost) = cost.filter(|cost| cost.plain_seconds > 0.0) else {
+        return whole();
     };
     let mut lengths = vec![0; offers.len()];
     // The next token of each row: its chance of being kept.
     let mut next: Vec<f64> = offers.iter().map(|offer| offer.rate).collect();
-    let mut seconds = cost.seconds(tokens);
     let mut expected = sampled.max(1) as f64;
+    // Which row took each token handed out, and the best prefix of those (yield per second).
+    let mut order = Vec::new();
+    let mut best = (expected / cost.plain_seconds, 0);
     loop {
-        let best = (0..offers.len())
+        let pick = (0..offers.len())
             .filter(|&i| lengths[i] < offers[i].proposed)
             .max_by(|&a, &b| next[a].total_cmp(&next[b]));
-        let Some(i) = best else { break };
-        // Worth it when (expected + gain) / (seconds + cost) > expected / seconds.
-        let gain = next[i];
-        if gain * seconds <= cost.per_token_seconds * expected {
-            break;
-        }
+        let Some(i) = pick else { break };
+        expected += next[i];
         lengths[i] += 1;
         next[i] *= offers[i].rate;
-        expected += gain;
-        seconds += cost.per_token_seconds;
+        order.push(i);
+        // A step with drafts is never cheaper than the same step without.
+        let seconds = cost
+            .verify
+            .seconds(tokens + order.len())
+            .max(cost.plain_seconds);
+        if expected / seconds > best.0 {
+            best = (expected / seconds, order.len());
+        }
+    }
+    let mut lengths = vec![0; offers.len()];
+    for &i in &order[..best.1] {
+        lengths[i] += 1;
     }
     lengths
 }
@@ -120,10 +143,19 @@ pub fn draft_lengths(
 mod tests {
     use super::*;
 
-    fn fit(fixed_ms: f64, per_token_ms: f64) -> Option<StepTimeFit> {
-        Some(StepTimeFit {
+    fn fit(fixed_ms: f64, per_token_ms: f64) -> StepTimeFit {
+        StepTimeFit {
             fixed_seconds: fixed_ms / 1e3,
             per_token_seconds: per_token_ms / 1e3,
+        }
+    }
+
+    /// One line through steps with and without drafts, the plain step holding `tokens`.
+    fn linear(fixed_ms: f64, per_token_ms: f64, tokens: usize) -> Option<DraftCost> {
+        let verify = fit(fixed_ms, per_token_ms);
+        Some(DraftCost {
+            plain_seconds: verify.seconds(tokens),
+            verify,
         })
     }
 
@@ -140,10 +172,10 @@ mod tests {
     #[test]
     fn a_cheap_token_is_verified_even_when_seldom_kept() {
         // A GPU at batch 1: a verify step of 8 costs ~1.1 decode steps.
-        let lengths = draft_lengths(&[offer(0.5, 7)], 1, 1, fit(4.3, 0.07));
+        let lengths = draft_lengths(&[offer(0.5, 7)], 1, 1, linear(4.3, 0.07, 1));
         assert!(lengths[0] >= 4, "{lengths:?}");
         assert_eq!(
-            draft_lengths(&[offer(0.95, 7)], 1, 1, fit(4.3, 0.07)),
+            draft_lengths(&[offer(0.95, 7)], 1, 1, linear(4.3, 0.07, 1)),
             vec![7]
         );
     }
@@ -151,7 +183,7 @@ mod tests {
     #[test]
     fn a_costly_token_is_verified_only_when_likely_kept() {
         // Two CPU cores: every token of a step adds a sixth of a decode step.
-        let cost = fit(15.0, 2.5);
+        let cost = linear(15.0, 2.5, 1);
         assert_eq!(draft_lengths(&[offer(0.1, 7)], 1, 1, cost), vec![0]);
         let likely = draft_lengths(&[offer(0.85, 7)], 1, 1, cost)[0];
         assert!((3..=7).contains(&likely), "{likely}");
@@ -162,12 +194,42 @@ mod tests {
     #[test]
     fn each_kept_token_is_worth_what_the_step_yields() {
         // The chosen length maximizes expected tokens per second for one row.
-        let cost = fit(15.0, 2.5);
+        let cost = linear(15.0, 2.5, 1);
         for rate in [0.3, 0.5, 0.7, 0.8, 0.9, 0.97] {
             let chosen = draft_lengths(&[offer(rate, 7)], 1, 1, cost)[0];
             let per_second = |d: usize| {
                 let tokens: f64 = (0..=d).map(|k| rate.powi(k as i32)).sum();
-                tokens / cost.unwrap().seconds(1 + d)
+                tokens / cost.unwrap().verify.seconds(1 + d)
+            };
+            let best = (0..=7).max_by(|&a, &b| per_second(a).total_cmp(&per_second(b)));
+            assert_eq!(Some(chosen), best, "rate {rate}");
+        }
+    }
+
+    #[test]
+    fn a_verify_step_s_own_fixed_cost_is_weighed_against_the_whole_draft() {
+        // SmolLM2 on the H200 at batch 1: a decode step 0.58 ms, a verify step 0.9 ms and
+        // ~15 µs a token. One drafted token does not pay for the verify path; a draft likely
+        // kept does, whole; a draft seldom kept does not at any length.
+        let cost = Some(DraftCost {
+            plain_seconds: 0.58e-3,
+            verify: fit(0.87, 0.015),
+        });
+        assert_eq!(draft_lengths(&[offer(0.9, 7)], 1, 1, cost), vec![7]);
+        assert!(draft_lengths(&[offer(0.6, 7)], 1, 1, cost)[0] >= 5);
+        assert_eq!(draft_lengths(&[offer(0.2, 7)], 1, 1, cost), vec![0]);
+        // Each length's yield per second, against the chosen one's.
+        for rate in [0.2, 0.4, 0.5, 0.6, 0.9] {
+            let chosen = draft_lengths(&[offer(rate, 7)], 1, 1, cost)[0];
+            let per_second = |d: usize| {
+                let tokens: f64 = (0..=d).map(|k| rate.powi(k as i32)).sum();
+                let c = cost.unwrap();
+                let seconds = if d == 0 {
+                    c.plain_seconds
+                } else {
+                    c.verify.seconds(1 + d).max(c.plain_seconds)
+                };
+                tokens / seconds
             };
             let best = (0..=7).max_by(|&a, &b| per_second(a).total_cmp(&per_second(b)));
             assert_eq!(Some(chosen), best, "rate {rate}");
@@ -180,14 +242,14 @@ mod tests {
             &[offer(0.3, 7), offer(0.9, 7), offer(0.6, 7)],
             3,
             3,
-            fit(15.0, 1.0),
+            linear(15.0, 1.0, 3),
         );
         assert!(
             lengths[1] > lengths[2] && lengths[2] > lengths[0],
             "{lengths:?}"
         );
         assert_eq!(
-            draft_lengths(&[offer(0.9, 2)], 1, 1, fit(15.0, 1.0)),
+            draft_lengths(&[offer(0.9, 2)], 1, 1, linear(15.0, 1.0, 1)),
             vec![2]
         );
     }

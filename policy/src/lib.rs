@@ -29,7 +29,7 @@ pub use config::{
     DraftSizing, EngineConfig, MAX_VERIFY_WIDTH, Policies, PoolSize, ServerConfig, ServerPolicy,
     SnapshotConfig, SnapshotPolicy, SpeculativeConfig, SpeculativeMethod,
 };
-pub use draft_length::{Acceptance, DraftOffer, draft_lengths};
+pub use draft_length::{Acceptance, DraftCost, DraftOffer, draft_lengths};
 pub use error::PolicyError;
 pub use eviction::{EvictionKind, EvictionPolicy, Lru};
 pub use reservation::ReservationPolicy;

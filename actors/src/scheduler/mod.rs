@@ -164,8 +164,9 @@ pub struct Scheduler {
     limit: SequenceLimit,
     /// Learns how long a step of so many tokens takes, to size prompt chunks.
     step_time: StepTimeModel,
-    /// The same, over steps of one-token rows and their drafts only: what a drafted token
-    /// costs ([`policy::draft_lengths`]).
+    /// The same, over steps of one-token rows only, without drafts ([`policy::DraftCost`]).
+    plain_time: StepTimeModel,
+    /// The same, over steps of one-token rows with drafts: what verifying costs.
     verify_time: StepTimeModel,
     /// The last engine step queued saves, which the next one's forward waits behind.
     saved_last_step: bool,
@@ -226,6 +227,7 @@ impl Scheduler {
                 config.page_tokens,
             ),
             step_time: StepTimeModel::new(),
+            plain_time: StepTimeModel::new(),
             verify_time: StepTimeModel::new(),
             saved_last_step: false,
             hasher: PrefixHasher::new(config.salt, config.page_tokens),

@@ -682,7 +682,15 @@ impl Scheduler {
             .collect();
         let tokens: usize = rows.iter().map(|row| row.end - row.start).sum();
         let cost = match spec.draft_sizing {
-            policy::DraftSizing::ByCost => self.verify_time.linear(),
+            policy::DraftSizing::ByCost => {
+                self.plain_time
+                    .fit()
+                    .zip(self.verify_time.fit())
+                    .map(|(plain, verify)| policy::DraftCost {
+                        plain_seconds: plain.seconds(tokens),
+                        verify,
+                    })
+            }
             policy::DraftSizing::Whole => None,
         };
         let lengths = policy::draft_lengths(&offers, tokens, rows.len(), cost);
@@ -1494,16 +1502,22 @@ impl Scheduler {
             if reply.forward.is_ok() && draft.sent_tokens > 0 && !reply.first_step_captured {
                 self.step_time
                     .observe(draft.sent_tokens, reply.first_step_seconds);
-                // What a drafted token costs is learnt from steps of one-token rows and their
-                // drafts alone: the forward waits for copies queued before it (this step's
-                // restores and forks, the last step's saves).
+                // What drafts cost is learnt from steps of one-token rows and their drafts
+                // alone (the forward waits for copies queued before it: this step's restores
+                // and forks, the last step's saves), steps with drafts apart from steps
+                // without: a verify step takes another path through the engine.
                 let copies_before = !draft.restores.is_empty()
                     || !draft.fork_copies.is_empty()
                     || draft.saves_before_forward
                     || self.saved_last_step;
                 if !draft.sent_prompt_chunk && !copies_before {
-                    self.verify_time
-                        .observe(draft.sent_tokens, reply.first_step_seconds);
+                    let verified = draft.rows.iter().any(|row| row.live && row.draft > 0);
+                    let model = if verified {
+                        &mut self.verify_time
+                    } else {
+                        &mut self.plain_time
+                    };
+                    model.observe(draft.sent_tokens, reply.first_step_seconds);
                 }
             }
             self.saved_last_step = !draft.saves.is_empty();

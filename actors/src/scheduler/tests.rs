@@ -769,16 +769,22 @@ fn drafts_are_sized_by_what_a_drafted_token_costs() {
     let prompt: Vec<u32> = (0..40u32).map(|i| 3 + i % 5).collect();
     let mut stream = h.submit_exactly(prompt, 200);
     // Eight steps, each planned with a step time of 10 ms plus `per_token` a token beyond the
-    // first (nothing learnt with `None`), and with `refused` the request's last ten drafts
-    // all refused: the tokens drafted.
+    // first, learnt from steps without drafts (one token) and with (two and eight; nothing
+    // learnt with `None`), and with `refused` the request's last ten drafts all refused: the
+    // tokens drafted.
     let run = |h: &mut Harness, per_token: Option<f64>, refused: bool| {
         let before = h.scheduler.stats().drafted_tokens;
         for _ in 0..8 {
-            let mut cost = policy::StepTimeModel::new();
-            for tokens in per_token.map_or(&[][..], |_| &[1, 8, 1, 8]) {
-                cost.observe(*tokens, 0.010 + per_token.unwrap() * (tokens - 1) as f64);
+            let (mut plain, mut verify) =
+                (policy::StepTimeModel::new(), policy::StepTimeModel::new());
+            if let Some(per_token) = per_token {
+                for tokens in [2, 8, 2, 8] {
+                    plain.observe(1, 0.010);
+                    verify.observe(tokens, 0.010 + per_token * (tokens - 1) as f64);
+                }
             }
-            h.scheduler.verify_time = cost;
+            h.scheduler.plain_time = plain;
+            h.scheduler.verify_time = verify;
             if refused && let Some(job) = h.scheduler.running.first_mut() {
                 for _ in 0..10 {
                     job.acceptance.observe(7, 0);
