@@ -103,9 +103,8 @@ pub fn draft_lengths(
     sampled: usize,
     cost: Option<DraftCost>,
 ) -> Vec<usize> {
-    let whole = || offers.iter().map(|offer| offer.proposed).collect();
     let Some(cost) = cost.filter(|cost| cost.plain_seconds > 0.0) else {
-        return whole();
+        return offers.iter().map(|offer| offer.proposed).collect();
     };
     let mut lengths = vec![0; offers.len()];
     // The next token of each row: its chance of being kept.

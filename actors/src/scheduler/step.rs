@@ -217,6 +217,8 @@ pub(super) struct Draft {
     /// It runs one decode step a row and verifies no draft: the next step may be planned
     /// before it answers.
     pub(super) plain: bool,
+    /// Once sent: some row of it verifies drafted tokens.
+    verifies: bool,
 }
 
 /// The index of a job that left `running` (or whose epoch moved on) while a step naming it
@@ -1380,6 +1382,7 @@ impl Scheduler {
         draft.id = self.next_step_id;
         self.next_step_id += 1;
         draft.plain = !multi_step && !verify;
+        draft.verifies = verify;
         self.stats.planned_ahead += !self.sent.is_empty() as u64;
         draft.refs = self.running.iter().map(|job| (job.id, job.epoch)).collect();
         self.sent.push_back(draft);
@@ -1511,8 +1514,7 @@ impl Scheduler {
                     || draft.saves_before_forward
                     || self.saved_last_step;
                 if !draft.sent_prompt_chunk && !copies_before {
-                    let verified = draft.rows.iter().any(|row| row.live && row.draft > 0);
-                    let model = if verified {
+                    let model = if draft.verifies {
                         &mut self.verify_time
                     } else {
                         &mut self.plain_time
