@@ -497,8 +497,28 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
             select::load(&files, kind, &cpu, &cuda)?
         }
     };
-    let warm = engine::backend::warm_up(backend.as_mut(), 64)?;
-    eprintln!("warmed up in {:.0} ms", warm.took.as_secs_f64() * 1e3);
+    // With speculation on, one verification of each graph bucket a batch-1 draft reaches.
+    let spec = &policies.speculative;
+    let verify_widths: Vec<usize> = match spec.method {
+        policy::SpeculativeMethod::PromptLookup => [2, 4, 8]
+            .into_iter()
+            .filter(|&w| w <= (spec.draft_tokens + 1).next_power_of_two())
+            .collect(),
+        policy::SpeculativeMethod::None => Vec::new(),
+    };
+    let warm = engine::backend::warm_up(backend.as_mut(), 64, &verify_widths)?;
+    let timed: Vec<String> = warm
+        .decode_step
+        .map(|step| (1, step))
+        .into_iter()
+        .chain(warm.verify_steps.iter().copied())
+        .map(|(tokens, step)| format!("{tokens}: {:.3} ms", step.as_secs_f64() * 1e3))
+        .collect();
+    eprintln!(
+        "warmed up in {:.0} ms; steps of one row by its tokens: {}",
+        warm.took.as_secs_f64() * 1e3,
+        timed.join(", ")
+    );
     let info = backend.info().clone();
     eprintln!(
         "{} backend: {} KV pages of {} tokens, context {} tokens",
@@ -538,6 +558,11 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
         ),
         eos_token_ids: files.eos_token_ids.clone(),
         seed: 0,
+        verify_steps: warm
+            .verify_steps
+            .iter()
+            .map(|&(tokens, took)| (tokens, took.as_secs_f64()))
+            .collect(),
     };
     actix_rt::System::new().block_on(async move {
         let handles = actors::start(backend, config)?;

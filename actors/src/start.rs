@@ -33,6 +33,9 @@ pub struct ServeConfig {
     pub eos_token_ids: Vec<u32>,
     /// Seeds back-off jitter.
     pub seed: u64,
+    /// Verification steps timed at start-up (their tokens, seconds): the scheduler's cost of
+    /// drafts starts from them and keeps them as anchors ([`policy::StepTimeModel::anchor`]).
+    pub verify_steps: Vec<(usize, f64)>,
 }
 
 /// The running actors.
@@ -134,7 +137,7 @@ pub fn build(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Parts, Se
         }
         engine = engine.with_disk(disk);
     }
-    let scheduler = Scheduler::new(SchedulerConfig {
+    let mut scheduler = Scheduler::new(SchedulerConfig {
         max_queue: policies.admission.max_queue(),
         max_running,
         step_token_budget: policies.admission.step_token_budget(),
@@ -157,6 +160,7 @@ pub fn build(backend: Box<dyn Backend>, config: ServeConfig) -> Result<Parts, Se
         salt,
         seed: config.seed,
     });
+    scheduler.anchor_verify_steps(&config.verify_steps);
     Ok(Parts {
         scheduler,
         pool: KvPool::new(pool),

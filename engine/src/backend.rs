@@ -405,28 +405,39 @@ pub struct HostRun {
 unsafe impl Send for HostRun {}
 
 /// What a warm-up measured.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct WarmUp {
     /// The whole warm-up, first-use setup included.
     pub took: std::time::Duration,
     /// One batch-1 decode step once warm; `None` when the pool was too small to run one.
     pub decode_step: Option<std::time::Duration>,
+    /// One verification of each width asked for (its tokens, the drafted ones included), once
+    /// warm.
+    pub verify_steps: Vec<(usize, std::time::Duration)>,
 }
 
 /// Runs one prefill of `prompt_tokens` tokens and two decode steps, sampled greedily, through
-/// the first pages of the pool, so that what a backend sets up on first use (kernels loaded,
-/// GEMM plans chosen, the batch-1 decode graph captured) is paid before the first request
-/// rather than by it; the second decode step is timed. The pages written hold nothing anyone
-/// reads: a page's bytes are only trusted once a sequence has written them.
-pub fn warm_up(backend: &mut dyn Backend, prompt_tokens: usize) -> Result<WarmUp> {
+/// the first pages of the pool, then one verification of each width in `verify_widths` (a
+/// token and its draft: speculative decoding's steps), so that what a backend sets up on first
+/// use (kernels loaded, GEMM plans chosen, the batch-1 decode graph and the verification
+/// graphs captured) is paid before the first request rather than by it; the second decode step
+/// is timed. The pages written hold nothing anyone reads: a page's bytes are only trusted once
+/// a sequence has written them.
+pub fn warm_up(
+    backend: &mut dyn Backend,
+    prompt_tokens: usize,
+    verify_widths: &[usize],
+) -> Result<WarmUp> {
     let started = std::time::Instant::now();
     let info = backend.info().clone();
-    let tokens = prompt_tokens.clamp(1, info.max_positions.saturating_sub(2).max(1));
-    let pages = info.geometry.pages_for(tokens + 2);
-    if pages > info.num_pages || tokens + 2 > info.max_positions {
+    let widest = verify_widths.iter().copied().max().unwrap_or(0);
+    let tokens = prompt_tokens.clamp(1, info.max_positions.saturating_sub(2 + widest).max(1));
+    let pages = info.geometry.pages_for(tokens + 2 + widest);
+    if pages > info.num_pages || tokens + 2 + widest > info.max_positions {
         return Ok(WarmUp {
             took: started.elapsed(),
             decode_step: None,
+            verify_steps: Vec::new(),
         });
     }
     let table: Vec<PageId> = (0..pages as u32).map(PageId).collect();
@@ -456,9 +467,28 @@ pub fn warm_up(backend: &mut dyn Backend, prompt_tokens: usize) -> Result<WarmUp
         token = backend.step_and_sample(&decode, &mut [Some(&mut sampler)])?[0];
         decode_step = Some(step_started.elapsed());
     }
+    let mut verify_steps = Vec::new();
+    for &width in verify_widths.iter().filter(|&&w| w > 1) {
+        let verify = StepPlan {
+            rows: vec![RowPlan {
+                tokens: (0..width as u32)
+                    .map(|t| t % info.vocab_size as u32)
+                    .collect(),
+                start_pos: tokens + 2,
+                pages: table.clone(),
+                logits: LogitsWanted::All,
+            }],
+        };
+        // The first sets up (a graph captured), the second is timed.
+        backend.step_and_verify(&verify, &mut [Some(&mut sampler)], &[width - 1])?;
+        let step_started = std::time::Instant::now();
+        backend.step_and_verify(&verify, &mut [Some(&mut sampler)], &[width - 1])?;
+        verify_steps.push((width, step_started.elapsed()));
+    }
     Ok(WarmUp {
         took: started.elapsed(),
         decode_step,
+        verify_steps,
     })
 }
 
@@ -573,8 +603,12 @@ mod tests {
         let mut fresh = CpuBackend::load(&files, &options).unwrap();
         let expected = fresh.step(&plan).unwrap();
         let mut warmed = CpuBackend::load(&files, &options).unwrap();
-        let warm = warm_up(&mut warmed, 64).unwrap();
+        let warm = warm_up(&mut warmed, 64, &[2, 8]).unwrap();
         assert!(warm.decode_step.is_some_and(|step| step <= warm.took));
+        assert_eq!(
+            warm.verify_steps.iter().map(|s| s.0).collect::<Vec<_>>(),
+            [2, 8]
+        );
         assert_eq!(warmed.step(&plan).unwrap(), expected);
         // A pool too small for the warm-up is left alone.
         let mut small = CpuBackend::load(
@@ -585,6 +619,6 @@ mod tests {
             },
         )
         .unwrap();
-        assert_eq!(warm_up(&mut small, 64).unwrap().decode_step, None);
+        assert_eq!(warm_up(&mut small, 64, &[]).unwrap().decode_step, None);
     }
 }

@@ -50,7 +50,8 @@ pub enum SpeculativeMethod {
 #[serde(rename_all = "snake_case")]
 pub enum DraftSizing {
     /// As many of the proposed tokens as are expected to add more than they cost, by each
-    /// request's acceptance so far and the step time learnt from decode and verify steps.
+    /// request's acceptance so far and the step time learnt from decode and verify steps
+    /// (anchored by the verify steps the warm-up timed).
     #[default]
     ByCost,
     /// Every proposed token, up to `draft_tokens`.

@@ -7,12 +7,13 @@
 //! most of it is refused; on a CPU a step's time grows with its tokens, and a draft that is
 //! usually refused makes decoding slower than no draft at all.
 //!
-//! Each request keeps an [`Acceptance`]: how often the target kept a drafted token it looked at
-//! (the first drafted token is always looked at, the next only if the first was kept), recent
-//! verifications counting most, and drifting back toward a prior while its drafts are declined
-//! (so that a request whose drafts failed tries again now and then). Position `k` of a draft is then kept with probability about
-//! `rate^k`. [`draft_lengths`] hands out drafted tokens one at a time, always to the row whose
-//! next token is most likely kept, and keeps the prefix of that order whose expected tokens per
+//! Each request keeps an [`Acceptance`]: how often the target kept the first drafted token,
+//! and how often it kept a drafted token after a kept one, recent verifications counting most,
+//! and drifting back toward a prior while its drafts are declined (so that a request whose
+//! drafts failed tries again now and then). Position `k` of a draft is then kept with chance
+//! about `first × after_kept^k`. [`draft_lengths`] hands out drafted tokens one at a time,
+//! always to the row whose next token is most likely kept, and keeps the prefix of that order
+//! whose expected tokens per
 //! predicted second are highest, no drafts at all included. The scheduler learns the two costs
 //! apart from its own steps ([`DraftCost`]): a step without drafts, and a verify step as a
 //! line in its tokens. They differ by more than the drafted tokens' compute: a verify step
@@ -20,68 +21,125 @@
 //! ms and a verify step of two tokens ~0.9), and one line through both kinds of step read that
 //! fixed difference as a per-token cost of ~0.4 ms, declined every draft and never learnt
 //! otherwise. Until both are known every row verifies its whole proposal, which is also how
-//! they are learnt.
+//! they are learnt. The verify line is anchored by steps the warm-up timed
+//! ([`crate::StepTimeModel::anchor`]) and read flat where the cost does not grow with the
+//! tokens ([`crate::StepTimeModel::fit_or_flat`]): fed only verify steps of two tokens, the
+//! line had charged each extra drafted token a whole step's time (0.47 ms on the H200), so
+//! every draft stayed one token long.
 //!
-//! Costs: O(drafted tokens × rows) per step, two floats per request.
+//! Costs: O(drafted tokens × rows) per step, four floats per request.
 
 use crate::step_time::StepTimeFit;
 
-/// Weight the past keeps at each drafted token the target looks at: about the last seven (one
-/// whole draft) count.
+/// Weight the past keeps at each observation: about the last seven count (seven first tokens,
+/// or one whole draft's continuations).
 const KEEP: f64 = 0.85;
 
 /// Weight the evidence keeps, against the prior, at each step whose draft was declined.
 const DRIFT: f64 = 0.95;
 
-/// One request's record of its verifications, recent drafted tokens weighing most. It starts
-/// from a prior of four kept of five looked at, which fades like any other evidence: a
-/// proposal exists only where the context already repeats itself, and a short answer has no
-/// time to learn its way up from a cautious start.
+/// A decaying count of drafted tokens the target looked at and kept.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Acceptance {
+struct Tally {
     kept: f64,
     looked: f64,
 }
 
+impl Tally {
+    fn observe(&mut self, kept: bool) {
+        self.kept = self.kept * KEEP + f64::from(u8::from(kept));
+        self.looked = self.looked * KEEP + 1.0;
+    }
+
+    fn drift_to(&mut self, prior: Tally) {
+        self.kept = self.kept * DRIFT + prior.kept * (1.0 - DRIFT);
+        self.looked = self.looked * DRIFT + prior.looked * (1.0 - DRIFT);
+    }
+
+    fn rate(&self) -> f64 {
+        self.kept / self.looked
+    }
+}
+
+/// One request's record of its verifications, recent ones weighing most, in two parts: how
+/// often the first drafted token is kept, and how often a drafted token is kept after a kept
+/// one. Prompt lookup's drafts are all or nothing: the first token decides whether the text is
+/// copying its input here, and once it is, the rest of the draft mostly follows. One rate for
+/// every position (a geometric fall-off) makes a draft's later tokens look worthless wherever
+/// its first is often refused, and sized drafts too short exactly where copying runs are long.
+/// Both parts start from a prior of four kept of five looked at, which fades like any other
+/// evidence: a proposal exists only where the context already repeats itself, and a short
+/// answer has no time to learn its way up from a cautious start.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Acceptance {
+    first: Tally,
+    after_kept: Tally,
+}
+
+const PRIOR: Tally = Tally {
+    kept: 4.0,
+    looked: 5.0,
+};
+
 impl Default for Acceptance {
     fn default() -> Self {
         Acceptance {
-            kept: 4.0,
-            looked: 5.0,
+            first: PRIOR,
+            after_kept: PRIOR,
         }
     }
 }
 
 impl Acceptance {
-    /// Records a verification of a `drafted`-token draft of which the first `kept` were kept.
+    /// Records a verification of a `drafted`-token draft of which the first `kept` were kept:
+    /// the first token looked at, then each one after a kept one up to the first refusal.
     pub fn observe(&mut self, drafted: usize, kept: usize) {
-        let looked = kept + usize::from(kept < drafted);
-        for i in 0..looked {
-            self.kept = self.kept * KEEP + f64::from(u8::from(i < kept));
-            self.looked = self.looked * KEEP + 1.0;
+        if drafted == 0 {
+            return;
+        }
+        self.first.observe(kept > 0);
+        let looked_after = kept.saturating_sub(1) + usize::from(kept > 0 && kept < drafted);
+        for i in 0..looked_after {
+            self.after_kept.observe(i + 1 < kept);
         }
     }
 
-    /// Records a step where its draft was not worth verifying: the estimate drifts back
+    /// Records a step where its draft was not worth verifying: the estimates drift back
     /// toward the prior, so a request whose drafts were refused tries again after a while (its
     /// text may have turned to copying its input), and keeps trying seldom if they still are.
     pub fn declined(&mut self) {
-        let prior = Acceptance::default();
-        self.kept = self.kept * DRIFT + prior.kept * (1.0 - DRIFT);
-        self.looked = self.looked * DRIFT + prior.looked * (1.0 - DRIFT);
+        self.first.drift_to(PRIOR);
+        self.after_kept.drift_to(PRIOR);
     }
 
-    /// The estimated chance that a drafted token the target looks at is kept.
-    pub fn rate(&self) -> f64 {
-        self.kept / self.looked
+    /// The estimated chance that the first drafted token is kept.
+    pub fn first(&self) -> f64 {
+        self.first.rate()
+    }
+
+    /// The estimated chance that a drafted token is kept when the one before it was.
+    pub fn after_kept(&self) -> f64 {
+        self.after_kept.rate()
+    }
+
+    /// The offer of a draft of `proposed` tokens.
+    pub fn offer(&self, proposed: usize) -> DraftOffer {
+        DraftOffer {
+            first: self.first(),
+            after_kept: self.after_kept(),
+            proposed,
+        }
     }
 }
 
-/// A row of the step that has a draft to offer.
+/// A row of the step that has a draft to offer: drafted token `k` (from 0) is kept with
+/// chance `first × after_kept^k`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DraftOffer {
-    /// Its request's [`Acceptance::rate`].
-    pub rate: f64,
+    /// Its request's [`Acceptance::first`].
+    pub first: f64,
+    /// Its request's [`Acceptance::after_kept`].
+    pub after_kept: f64,
     /// Tokens its draft proposes.
     pub proposed: usize,
 }
@@ -108,7 +166,7 @@ pub fn draft_lengths(
     };
     let mut lengths = vec![0; offers.len()];
     // The next token of each row: its chance of being kept.
-    let mut next: Vec<f64> = offers.iter().map(|offer| offer.rate).collect();
+    let mut next: Vec<f64> = offers.iter().map(|offer| offer.first).collect();
     let mut expected = sampled.max(1) as f64;
     // Which row took each token handed out, and the best prefix of those (yield per second).
     let mut order = Vec::new();
@@ -120,7 +178,7 @@ pub fn draft_lengths(
         let Some(i) = pick else { break };
         expected += next[i];
         lengths[i] += 1;
-        next[i] *= offers[i].rate;
+        next[i] *= offers[i].after_kept;
         order.push(i);
         // A step with drafts is never cheaper than the same step without.
         let seconds = cost
@@ -158,8 +216,14 @@ mod tests {
         })
     }
 
+    /// An offer whose every drafted token the target keeps with chance `rate` after a kept one
+    /// (one rate for every position).
     fn offer(rate: f64, proposed: usize) -> DraftOffer {
-        DraftOffer { rate, proposed }
+        DraftOffer {
+            first: rate,
+            after_kept: rate,
+            proposed,
+        }
     }
 
     #[test]
@@ -256,29 +320,99 @@ mod tests {
     #[test]
     fn acceptance_follows_recent_verifications() {
         let mut a = Acceptance::default();
-        assert!((a.rate() - 0.8).abs() < 1e-12);
+        assert!((a.first() - 0.8).abs() < 1e-12 && (a.after_kept() - 0.8).abs() < 1e-12);
         for _ in 0..10 {
             a.observe(7, 7);
         }
-        assert!(a.rate() > 0.9, "{}", a.rate());
+        assert!(a.first() > 0.9 && a.after_kept() > 0.9, "{a:?}");
         for _ in 0..10 {
             a.observe(4, 0);
         }
-        assert!(a.rate() < 0.4, "{}", a.rate());
+        assert!(a.first() < 0.4, "{a:?}");
+        assert!(
+            a.after_kept() > 0.9,
+            "refusals of a first token teach nothing after it"
+        );
         let before = a;
         a.observe(0, 0);
         assert_eq!(a, before, "no draft, nothing learnt");
         // Declined drafts: back toward the prior, slowly.
-        let low = a.rate();
+        let low = a.first();
         a.declined();
         assert!(
-            a.rate() > low && a.rate() < low + 0.05,
+            a.first() > low && a.first() < low + 0.05,
             "{low} {}",
-            a.rate()
+            a.first()
         );
         for _ in 0..200 {
             a.declined();
         }
-        assert!((a.rate() - 0.8).abs() < 1e-3, "{}", a.rate());
+        assert!((a.first() - 0.8).abs() < 1e-3, "{a:?}");
+        assert!((a.after_kept() - 0.8).abs() < 1e-3, "{a:?}");
+    }
+
+    #[test]
+    fn a_kept_run_teaches_the_rate_after_a_kept_token() {
+        // Three kept of seven, the fourth refused: three looked at after a kept one (positions
+        // 1, 2 and 3), two of them kept.
+        let mut a = Acceptance {
+            first: Tally {
+                kept: 0.0,
+                looked: 0.0,
+            },
+            after_kept: Tally {
+                kept: 0.0,
+                looked: 0.0,
+            },
+        };
+        a.observe(7, 3);
+        assert_eq!(
+            a.first,
+            Tally {
+                kept: 1.0,
+                looked: 1.0
+            }
+        );
+        let weight = KEEP * KEEP + KEEP + 1.0;
+        assert!((a.after_kept.looked - weight).abs() < 1e-12, "{a:?}");
+        assert!(
+            (a.after_kept.kept - (KEEP * KEEP + KEEP)).abs() < 1e-12,
+            "{a:?}"
+        );
+        // A whole draft kept: nothing refused, six looked at after a kept one.
+        let mut whole = Acceptance::default();
+        whole.observe(7, 7);
+        assert!(whole.after_kept() > 0.8);
+    }
+
+    #[test]
+    fn all_or_nothing_drafts_are_verified_whole() {
+        // Prompt lookup on a rewrite: a third of the drafts start right, and those mostly run
+        // to their end. On the H200's costs the whole draft pays; a rate shared by every
+        // position (the pooled one such drafts show, ~0.45) would have verified less of it.
+        let cost = Some(DraftCost {
+            plain_seconds: 0.58e-3,
+            verify: fit(0.87, 0.015),
+        });
+        let copying = DraftOffer {
+            first: 0.35,
+            after_kept: 0.95,
+            proposed: 7,
+        };
+        assert_eq!(draft_lengths(&[copying], 1, 1, cost), vec![7]);
+        assert_eq!(draft_lengths(&[offer(0.35, 7)], 1, 1, cost), vec![0]);
+        // On two CPU cores, where each token costs a sixth of a step, fewer and only the
+        // likelier ones.
+        let cpu = linear(15.0, 2.5, 1);
+        let rarely = DraftOffer {
+            first: 0.1,
+            ..copying
+        };
+        assert_eq!(draft_lengths(&[rarely], 1, 1, cpu), vec![0]);
+        let often = DraftOffer {
+            first: 0.8,
+            ..copying
+        };
+        assert_eq!(draft_lengths(&[often], 1, 1, cpu), vec![7]);
     }
 }

@@ -10,7 +10,10 @@
 //! step costs, so a step sized from it stays under the limit, and its time teaches the model
 //! the slope.
 //!
-//! Costs: O(1) per observation and per prediction, five floats of state.
+//! A few steps measured before serving may be added as anchors, which never fade (see
+//! [`StepTimeModel::anchor`]).
+//!
+//! Costs: O(1) per observation and per prediction, ten floats of state.
 
 use std::time::Duration;
 
@@ -20,14 +23,41 @@ const KEEP: f64 = 0.9;
 /// Below this spread of step sizes (standard deviation over mean), the slope is not trusted.
 const MIN_RELATIVE_SPREAD: f64 = 0.1;
 
-/// Exponentially weighted sums of `1, x, y, x², xy` over observed steps (`x` tokens, `y` s).
+/// Weighted sums of `1, x, y, x², xy` over observed steps (`x` tokens, `y` seconds).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct StepTimeModel {
+struct Sums {
     w: f64,
     x: f64,
     y: f64,
     xx: f64,
     xy: f64,
+}
+
+impl Sums {
+    fn add(&mut self, keep: f64, x: f64, y: f64) {
+        self.w = self.w * keep + 1.0;
+        self.x = self.x * keep + x;
+        self.y = self.y * keep + y;
+        self.xx = self.xx * keep + x * x;
+        self.xy = self.xy * keep + x * y;
+    }
+
+    fn plus(&self, other: &Sums) -> Sums {
+        Sums {
+            w: self.w + other.w,
+            x: self.x + other.x,
+            y: self.y + other.y,
+            xx: self.xx + other.xx,
+            xy: self.xy + other.xy,
+        }
+    }
+}
+
+/// Exponentially weighted sums over the observed steps, and the anchors that never fade.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimeModel {
+    recent: Sums,
+    anchors: Sums,
 }
 
 /// The model's current estimate of a step's time.
@@ -70,39 +100,72 @@ impl StepTimeModel {
         if tokens == 0 || !seconds.is_finite() || seconds < 0.0 {
             return;
         }
-        let (x, y) = (tokens as f64, seconds);
-        self.w = self.w * KEEP + 1.0;
-        self.x = self.x * KEEP + x;
-        self.y = self.y * KEEP + y;
-        self.xx = self.xx * KEEP + x * x;
-        self.xy = self.xy * KEEP + x * y;
+        self.recent.add(KEEP, tokens as f64, seconds);
     }
 
-    /// The fit, once a step has been observed.
+    /// Adds a step measured once, before any other (a warm-up's), that never fades: it counts
+    /// as one step does when it is new, for good. Steps of sizes the traffic never shows keep
+    /// the slope known: a model fed only steps of one size would otherwise charge their whole
+    /// time per token, and whoever sizes steps from it would keep choosing that size (a
+    /// speculating request verifying one drafted token a step for ever, each extra token
+    /// priced at a whole step's time). The steps observed later outweigh the anchors wherever
+    /// the two disagree.
+    pub fn anchor(&mut self, tokens: usize, seconds: f64) {
+        if tokens == 0 || !seconds.is_finite() || seconds < 0.0 {
+            return;
+        }
+        self.anchors.add(1.0, tokens as f64, seconds);
+    }
+
+    /// The fit, once a step has been observed (or anchored).
     pub fn fit(&self) -> Option<StepTimeFit> {
-        if self.w == 0.0 || self.x <= 0.0 {
+        let s = self.recent.plus(&self.anchors);
+        if s.w == 0.0 || s.x <= 0.0 {
             return None;
         }
-        let (mean_x, mean_y) = (self.x / self.w, self.y / self.w);
+        let (mean_x, mean_y) = (s.x / s.w, s.y / s.w);
         self.linear().or(Some(StepTimeFit {
             fixed_seconds: 0.0,
             per_token_seconds: (mean_y / mean_x).max(f64::MIN_POSITIVE),
         }))
     }
 
-    /// The fit when the recent steps tell the two terms apart: their sizes spread enough and
-    /// the line has a positive slope and no negative fixed part. (Where [`Self::fit`] falls
-    /// back to charging the whole time per token, this says nothing.)
-    pub fn linear(&self) -> Option<StepTimeFit> {
-        if self.w == 0.0 || self.x <= 0.0 {
+    /// [`Self::fit`], except where the steps' sizes spread and their time does not grow with
+    /// them (a slope of zero read through noise as a negative one): then a flat cost at their
+    /// mean time, where [`Self::fit`] charges the whole time per token. Right for pricing a
+    /// step's extra tokens (a GPU verifies two tokens or eight in the same time); wrong for
+    /// sizing a step under a time limit, which is why [`Self::fit`] stays proportional.
+    pub fn fit_or_flat(&self) -> Option<StepTimeFit> {
+        let s = self.recent.plus(&self.anchors);
+        if s.w == 0.0 || s.x <= 0.0 {
             return None;
         }
-        let (mean_x, mean_y) = (self.x / self.w, self.y / self.w);
-        let variance = (self.xx / self.w - mean_x * mean_x).max(0.0);
+        let (mean_x, mean_y) = (s.x / s.w, s.y / s.w);
+        let variance = (s.xx / s.w - mean_x * mean_x).max(0.0);
+        let spread = variance.sqrt() >= MIN_RELATIVE_SPREAD * mean_x;
+        if spread && s.xy / s.w - mean_x * mean_y <= 0.0 {
+            return Some(StepTimeFit {
+                fixed_seconds: mean_y,
+                per_token_seconds: 0.0,
+            });
+        }
+        self.fit()
+    }
+
+    /// The fit when the recent steps and the anchors tell the two terms apart: their sizes
+    /// spread enough and the line has a positive slope and no negative fixed part. (Where
+    /// [`Self::fit`] falls back to charging the whole time per token, this says nothing.)
+    pub fn linear(&self) -> Option<StepTimeFit> {
+        let s = self.recent.plus(&self.anchors);
+        if s.w == 0.0 || s.x <= 0.0 {
+            return None;
+        }
+        let (mean_x, mean_y) = (s.x / s.w, s.y / s.w);
+        let variance = (s.xx / s.w - mean_x * mean_x).max(0.0);
         if variance.sqrt() < MIN_RELATIVE_SPREAD * mean_x {
             return None;
         }
-        let slope = (self.xy / self.w - mean_x * mean_y) / variance;
+        let slope = (s.xy / s.w - mean_x * mean_y) / variance;
         let fixed = mean_y - slope * mean_x;
         // Else noise, or a cost that is not linear in the tokens.
         (slope > 0.0 && fixed >= 0.0).then_some(StepTimeFit {
@@ -205,5 +268,61 @@ mod tests {
         }
         let actual = 0.02 + per_token * tokens as f64;
         assert!(actual < 0.25 * 1.15, "{tokens} tokens take {actual} s");
+    }
+
+    /// Verify steps on the H200 (SmolLM2): 0.87 ms and 15 µs a token. Anchored at two, four
+    /// and eight tokens, a model then fed only steps of two tokens keeps a slope near the true
+    /// one instead of charging 0.45 ms a token.
+    #[test]
+    fn anchors_keep_the_slope_when_every_step_has_one_size() {
+        let truth = |tokens: usize| 0.87e-3 + 0.015e-3 * tokens as f64;
+        let mut model = StepTimeModel::new();
+        for tokens in [2, 4, 8] {
+            model.anchor(tokens, truth(tokens));
+        }
+        for _ in 0..500 {
+            model.observe(2, truth(2));
+        }
+        let fit = model.linear().expect("the anchors spread the sizes");
+        assert!(close(fit.per_token_seconds, 0.015e-3), "{fit:?}");
+        assert!(close(fit.fixed_seconds, 0.87e-3), "{fit:?}");
+        // Without them: the whole time per token.
+        let mut bare = StepTimeModel::new();
+        for _ in 0..500 {
+            bare.observe(2, truth(2));
+        }
+        assert!(bare.fit().unwrap().per_token_seconds > 0.4e-3);
+        // Steps that disagree with the anchors outweigh them: the same sizes, twice the time.
+        for tokens in [2, 4, 8].repeat(20) {
+            model.observe(tokens, 2.0 * truth(tokens));
+        }
+        let fit = model.linear().unwrap();
+        assert!(fit.seconds(8) > 1.7 * truth(8), "{fit:?}");
+    }
+
+    #[test]
+    fn a_flat_cost_is_read_as_flat_where_asked() {
+        // Verify steps of 2, 4 and 8 tokens all ~0.93 ms, the noise making the slope negative.
+        let mut model = StepTimeModel::new();
+        for (tokens, ms) in [(2, 0.936), (4, 0.931), (8, 0.929)] {
+            model.anchor(tokens, ms * 1e-3);
+        }
+        assert_eq!(model.linear(), None);
+        assert_eq!(
+            model.fit().unwrap().fixed_seconds,
+            0.0,
+            "sizing stays proportional"
+        );
+        let flat = model.fit_or_flat().unwrap();
+        assert_eq!(flat.per_token_seconds, 0.0);
+        assert!((flat.seconds(8) - 0.932e-3).abs() < 1e-6, "{flat:?}");
+        // A rising cost is the linear fit; one size only, the proportional reading.
+        let mut rising = StepTimeModel::new();
+        rising.observe(2, 1e-3);
+        rising.observe(8, 2e-3);
+        assert_eq!(rising.fit_or_flat(), rising.linear());
+        let mut one = StepTimeModel::new();
+        one.observe(2, 1e-3);
+        assert_eq!(one.fit_or_flat(), one.fit());
     }
 }

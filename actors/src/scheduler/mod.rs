@@ -436,6 +436,14 @@ impl Scheduler {
         queued + self.running.len()
     }
 
+    /// Anchors the cost of verify steps ([`policy::StepTimeModel::anchor`]) with steps timed
+    /// before serving: `(tokens, seconds)` each.
+    pub fn anchor_verify_steps(&mut self, steps: &[(usize, f64)]) {
+        for &(tokens, seconds) in steps {
+            self.verify_time.anchor(tokens, seconds);
+        }
+    }
+
     /// Whether the next step may be planned now, while the one sent last runs: overlapping
     /// is on and `decode_steps` is 1 (the two are alternatives), exactly one step is in
     /// flight, it runs one decode step a row and verifies no draft (so its rows' outcomes are

@@ -288,6 +288,7 @@ impl World {
             model_id: "tiny".into(),
             eos_token_ids: vec![1],
             seed: 7,
+            verify_steps: Vec::new(),
         };
         let parts = crate::build(Box::new(backend), config).unwrap();
         World {

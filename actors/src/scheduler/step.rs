@@ -677,22 +677,18 @@ impl Scheduler {
         }
         let offers: Vec<policy::DraftOffer> = proposals
             .iter()
-            .map(|(r, proposal)| policy::DraftOffer {
-                rate: self.running[rows[*r].job].acceptance.rate(),
-                proposed: proposal.len(),
-            })
+            .map(|(r, proposal)| self.running[rows[*r].job].acceptance.offer(proposal.len()))
             .collect();
         let tokens: usize = rows.iter().map(|row| row.end - row.start).sum();
         let cost = match spec.draft_sizing {
-            policy::DraftSizing::ByCost => {
-                self.plain_time
-                    .fit()
-                    .zip(self.verify_time.fit())
-                    .map(|(plain, verify)| policy::DraftCost {
-                        plain_seconds: plain.seconds(tokens),
-                        verify,
-                    })
-            }
+            policy::DraftSizing::ByCost => self
+                .plain_time
+                .fit()
+                .zip(self.verify_time.fit_or_flat())
+                .map(|(plain, verify)| policy::DraftCost {
+                    plain_seconds: plain.seconds(tokens),
+                    verify,
+                }),
             policy::DraftSizing::Whole => None,
         };
         let lengths = policy::draft_lengths(&offers, tokens, rows.len(), cost);
@@ -1502,6 +1498,14 @@ impl Scheduler {
         let mut ended: Vec<(usize, End)> = Vec::new();
         if let Some(reply) = reply {
             self.stats.multi_steps_cut_short += reply.cut_short as u64;
+            tracing::trace!(
+                "step {}: {} tokens, verifies {}, forward {:.3} ms, captured {}",
+                draft.id,
+                draft.sent_tokens,
+                draft.verifies,
+                reply.first_step_seconds * 1e3,
+                reply.first_step_captured
+            );
             if reply.forward.is_ok() && draft.sent_tokens > 0 && !reply.first_step_captured {
                 self.step_time
                     .observe(draft.sent_tokens, reply.first_step_seconds);

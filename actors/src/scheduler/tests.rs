@@ -44,6 +44,7 @@ impl Harness {
             model_id: "tiny".into(),
             eos_token_ids: vec![],
             seed: 1,
+            verify_steps: Vec::new(),
         };
         let parts = crate::build(Box::new(backend), config).unwrap();
         Harness {

@@ -72,6 +72,7 @@ pub fn serve_config(files: &ModelFiles, policies: Policies) -> ServeConfig {
         model_id: files.dir.display().to_string(),
         eos_token_ids: files.eos_token_ids.clone(),
         seed: 7,
+        verify_steps: Vec::new(),
     }
 }
 
