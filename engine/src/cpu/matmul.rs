@@ -139,6 +139,13 @@ const WIDEN_FIRST_ROWS: usize = 4;
 /// (the 96 rows of a task would be 576 KiB, read from L3 once per four input rows).
 const WIDEN_PART_ROWS: usize = 24;
 
+thread_local! {
+    /// Each thread's widened weight rows, kept between products: a fresh buffer of 24 rows of
+    /// 1,536 weights (144 KiB) is above the allocator's threshold for mapping pages of its own,
+    /// so allocating one per part mapped, faulted in and unmapped it every time.
+    static WIDENED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// The instruction set a product runs with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
@@ -261,24 +268,26 @@ pub fn matmul_with<W: Weight>(
             if widen_first {
                 // A few rows at a time, so the widened rows stay in the core's cache while
                 // every input row passes over them.
-                for part in (first..last).step_by(WIDEN_PART_ROWS) {
-                    let end = (part + WIDEN_PART_ROWS).min(last);
-                    let units = &w[part * row_units..end * row_units];
-                    let wide = widen_rows(isa, units, end - part, k);
-                    let tile = Tile {
-                        x: x.as_ptr(),
-                        w: wide.as_ptr(),
-                        out: out_ptr.at(part),
-                        k,
-                        x_stride: k,
-                        w_stride: k,
-                        out_stride: n,
-                        rows,
-                        cols: end - part,
-                    };
-                    // SAFETY: as below, with `wide` holding rows part..end widened.
-                    unsafe { run_tiled(isa, tile) };
-                }
+                WIDENED.with_borrow_mut(|wide| {
+                    for part in (first..last).step_by(WIDEN_PART_ROWS) {
+                        let end = (part + WIDEN_PART_ROWS).min(last);
+                        let units = &w[part * row_units..end * row_units];
+                        widen_rows(isa, units, end - part, k, wide);
+                        let tile = Tile {
+                            x: x.as_ptr(),
+                            w: wide.as_ptr(),
+                            out: out_ptr.at(part),
+                            k,
+                            x_stride: k,
+                            w_stride: k,
+                            out_stride: n,
+                            rows,
+                            cols: end - part,
+                        };
+                        // SAFETY: as below, with `wide` holding rows part..end widened.
+                        unsafe { run_tiled(isa, tile) };
+                    }
+                });
                 return;
             }
             let tile = Tile {
@@ -299,9 +308,9 @@ pub fn matmul_with<W: Weight>(
 }
 
 /// `rows` rows of `k` weights each, widened to f32 (exactly: the values the tiles would use).
-fn widen_rows<W: Weight>(isa: Isa, w: &[W], rows: usize, k: usize) -> Vec<f32> {
+fn widen_rows<W: Weight>(isa: Isa, w: &[W], rows: usize, k: usize, out: &mut Vec<f32>) {
     assert_eq!(w.len() * W::ELEMENTS, rows * k, "whole rows");
-    let mut out = vec![0f32; rows * k];
+    out.resize(rows * k, 0.0);
     let row_units = k / W::ELEMENTS;
     for (r, wide) in out.chunks_exact_mut(k).enumerate() {
         let row = w[r * row_units..].as_ptr();
@@ -319,7 +328,6 @@ fn widen_rows<W: Weight>(isa: Isa, w: &[W], rows: usize, k: usize) -> Vec<f32> {
             }
         }
     }
-    out
 }
 
 /// `out[r * out_stride + c] = x_r · w_c` for `rows` vectors of `x` and `cols` vectors of `w`,
