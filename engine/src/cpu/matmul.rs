@@ -310,7 +310,11 @@ pub fn matmul_with<W: Weight>(
 /// `rows` rows of `k` weights each, widened to f32 (exactly: the values the tiles would use).
 fn widen_rows<W: Weight>(isa: Isa, w: &[W], rows: usize, k: usize, out: &mut Vec<f32>) {
     assert_eq!(w.len() * W::ELEMENTS, rows * k, "whole rows");
-    out.resize(rows * k, 0.0);
+    // Grown only, never shrunk: products of another width follow, and growing zeroes.
+    if out.len() < rows * k {
+        out.resize(rows * k, 0.0);
+    }
+    let out = &mut out[..rows * k];
     let row_units = k / W::ELEMENTS;
     for (r, wide) in out.chunks_exact_mut(k).enumerate() {
         let row = w[r * row_units..].as_ptr();
