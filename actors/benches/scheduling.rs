@@ -126,6 +126,7 @@ fn setup(batch: usize, decode_steps: usize, overlap: bool) -> (NullBackend, Serv
         model_id: "null".into(),
         eos_token_ids: vec![],
         seed: 1,
+        verify_steps: Vec::new(),
     };
     (NullBackend { info }, config)
 }
