@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Speculative decoding through HTTP (issue 14): a fresh server with speculation off, then one
 # with `[speculative] method = "prompt_lookup"`, each sent the prompts of
-# scripts/speculation_prompts.txt one at a time by scripts/speculation_client.py (greedy chat
-# turns, streamed), then, with LOAD set, a load of 128-token prompts / 128 tokens with LOAD
-# requests in flight (4 × LOAD requests) by `snapserve loadtest`.
+# scripts/speculation_prompts.txt (or $PROMPTS) one at a time by scripts/speculation_client.py
+# (greedy chat turns, streamed), then, with LOAD set, a load of 128-token prompts / 128 tokens
+# with LOAD requests in flight (4 × LOAD requests) by `snapserve loadtest`.
 #
 # $SNAPSERVE names a prebuilt binary (else cargo builds one); $SERVE_ARGS the model (default:
-# the embedded one); $CONFIG the deployment file (default configs/gpu.toml); $OUT where each
-# server's log, metrics and table go (default .).
+# the embedded one); $CONFIG the deployment file (default configs/gpu.toml); $PROMPTS the
+# prompts (default scripts/speculation_prompts.txt; scripts/free_text_prompts.txt holds
+# answers that copy nothing, to see what speculation costs there); $OUT where each server's
+# log, metrics and table go (default .).
 #
-#     [SNAPSERVE=path] [SERVE_ARGS="--model dir"] [CONFIG=file] [LOAD=64] scripts/bench_speculation.sh
+#     [SNAPSERVE=path] [SERVE_ARGS="--model dir"] [CONFIG=file] [PROMPTS=file] [LOAD=64] scripts/bench_speculation.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${SNAPSERVE:-}
@@ -55,7 +57,7 @@ for mode in off on; do
         done
     fi
     echo "## speculation $mode: one request at a time"
-    python3 scripts/speculation_client.py "http://127.0.0.1:$port" scripts/speculation_prompts.txt \
+    python3 scripts/speculation_client.py "http://127.0.0.1:$port" "${PROMPTS:-scripts/speculation_prompts.txt}" \
         | tee "$out/speculation-$mode.txt"
     if [ -n "${LOAD:-}" ]; then
         echo "## speculation $mode: $LOAD in flight"

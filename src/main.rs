@@ -332,7 +332,7 @@ struct GenerateArgs {
     threads: Option<usize>,
 
     /// Speculative decoding: verify up to this many tokens drafted by prompt lookup (the
-    /// latest earlier occurrence of the last 1-3 tokens) with each step [default: off]. The
+    /// latest earlier occurrence of the last 2-3 tokens) with each step [default: off]. The
     /// text is unchanged; a text that repeats its input is generated faster.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..8))]
     speculate: Option<u16>,
@@ -797,9 +797,10 @@ fn generate_text(cache_dir: &Path, args: GenerateArgs) -> Result<()> {
         eos_token_ids: &model.eos_token_ids,
     };
     let mut stdout = std::io::stdout().lock();
+    let defaults = policy::SpeculativeConfig::default();
     let mut lookup = engine::speculative::PromptLookup {
-        ngram_min: 1,
-        ngram_max: 3,
+        ngram_min: defaults.ngram_min,
+        ngram_max: defaults.ngram_max,
     };
     let speculation = args.speculate.map(|draft_tokens| Speculation {
         source: &mut lookup,

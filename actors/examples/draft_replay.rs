@@ -24,6 +24,7 @@ use engine::speculative::{DraftSource, PromptLookup};
 use policy::{Acceptance, DraftCost, DraftOffer, StepTimeFit, draft_lengths};
 
 struct Costs {
+    ngram_min: usize,
     plain: f64,
     verify: StepTimeFit,
     gap: f64,
@@ -65,9 +66,16 @@ struct Outcome {
     seconds: f64,
 }
 
-fn replay(context: &[u32], answer: &[u32], max_new: usize, sizing: Sizing, c: &Costs) -> Outcome {
+fn replay(
+    context: &[u32],
+    answer: &[u32],
+    max_new: usize,
+    sizing: Sizing,
+    plan_ahead: bool,
+    c: &Costs,
+) -> Outcome {
     let mut lookup = PromptLookup {
-        ngram_min: 1,
+        ngram_min: c.ngram_min,
         ngram_max: 3,
     };
     let mut acceptance = Acceptance::default();
@@ -91,6 +99,30 @@ fn replay(context: &[u32], answer: &[u32], max_new: usize, sizing: Sizing, c: &C
     };
     while done < answer.len() {
         let room = max_new.saturating_sub(done + 1).min(7);
+        // Whether a draft could pay, judged before the token is known: where none could, the
+        // step is planned while the one before it runs (no gap) and drafts nothing.
+        let may_pay = match sizing {
+            Sizing::Whole => true,
+            Sizing::OneRate => {
+                let rate = one.kept / one.looked;
+                let offer = DraftOffer {
+                    first: rate,
+                    after_kept: rate,
+                    proposed: 7,
+                };
+                draft_lengths(&[offer], 1, 1, Some(cost))[0] > 0
+            }
+            Sizing::ByCost => draft_lengths(&[acceptance.offer(7)], 1, 1, Some(cost))[0] > 0,
+        };
+        if plan_ahead && !may_pay {
+            acceptance.declined();
+            one.declined();
+            out.seconds += c.plain;
+            out.steps += 1;
+            tokens.push(answer[done]);
+            done += 1;
+            continue;
+        }
         let proposal = lookup.propose(&tokens, room);
         let length = if proposal.is_empty() {
             0
@@ -145,7 +177,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (Some(model), Some(prompts)) = (args.next(), args.next()) else {
         return Err("usage: draft_replay MODEL_DIR PROMPTS_FILE [--plain-ms X] [--verify-fixed-ms X] [--verify-token-ms X] [--gap-ms X]".into());
     };
-    let (mut plain, mut fixed, mut per_token, mut gap) = (0.543, 0.87, 0.015, 0.05);
+    let (mut plain, mut fixed, mut per_token, mut gap, mut ngram_min) =
+        (0.543, 0.87, 0.015, 0.05, 1.0);
     while let Some(flag) = args.next() {
         let value: f64 = args.next().ok_or("a flag without its value")?.parse()?;
         match flag.as_str() {
@@ -153,10 +186,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--verify-fixed-ms" => fixed = value,
             "--verify-token-ms" => per_token = value,
             "--gap-ms" => gap = value,
+            "--ngram-min" => ngram_min = value,
             other => return Err(format!("unknown flag {other}").into()),
         }
     }
     let costs = Costs {
+        ngram_min: ngram_min as usize,
         plain: plain / 1e3,
         verify: StepTimeFit {
             fixed_seconds: fixed / 1e3,
@@ -200,16 +235,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ("by_cost, one rate", Sizing::OneRate),
             ("by_cost, two-part", Sizing::ByCost),
         ] {
-            let o = replay(&prompt, answer, max_new, sizing, &costs);
-            println!(
-                "| {} | {} | {name} | {} | {} / {} | {:.2}× |",
-                i + 1,
-                answer.len(),
-                o.steps,
-                o.drafted,
-                o.kept,
-                off / o.seconds
-            );
+            for plan_ahead in [false, true] {
+                if plan_ahead && matches!(sizing, Sizing::Whole) {
+                    continue;
+                }
+                let o = replay(&prompt, answer, max_new, sizing, plan_ahead, &costs);
+                let name = if plan_ahead {
+                    format!("{name}, planned ahead where no draft can pay")
+                } else {
+                    name.to_string()
+                };
+                println!(
+                    "| {} | {} | {name} | {} | {} / {} | {:.2}× |",
+                    i + 1,
+                    answer.len(),
+                    o.steps,
+                    o.drafted,
+                    o.kept,
+                    off / o.seconds
+                );
+            }
         }
     }
     Ok(())

@@ -66,7 +66,10 @@ pub struct SpeculativeConfig {
     /// Draft tokens verified with a sequence's last token in one pass (at most 7: a verify
     /// row is at most 8 wide).
     pub draft_tokens: usize,
-    /// The shortest and longest n-grams prompt lookup matches.
+    /// The shortest and longest n-grams prompt lookup matches. The shortest is 2 by default:
+    /// one matching token is weak evidence that the text is copying (in free text nearly every
+    /// token occurred before), and drafts proposed from it are mostly refused; on real text
+    /// 2 was better than 1 for every prompt replayed (BENCHMARKS.md).
     pub ngram_min: usize,
     pub ngram_max: usize,
     /// Above this many running sequences speculation switches itself off: a busy GPU has no
@@ -81,7 +84,7 @@ impl Default for SpeculativeConfig {
         SpeculativeConfig {
             method: SpeculativeMethod::None,
             draft_tokens: 7,
-            ngram_min: 1,
+            ngram_min: 2,
             ngram_max: 3,
             max_batch: 8,
             draft_sizing: DraftSizing::ByCost,
