@@ -53,6 +53,12 @@ impl Sums {
     }
 }
 
+/// Whether a step of `tokens` tokens that took `seconds` says anything: empty steps and
+/// broken clocks do not.
+fn teaches(tokens: usize, seconds: f64) -> bool {
+    tokens > 0 && seconds.is_finite() && seconds >= 0.0
+}
+
 /// Exponentially weighted sums over the observed steps, and the anchors that never fade.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepTimeModel {
@@ -97,10 +103,9 @@ impl StepTimeModel {
 
     /// Adds a step of `tokens` tokens that took `seconds`. Empty steps teach nothing.
     pub fn observe(&mut self, tokens: usize, seconds: f64) {
-        if tokens == 0 || !seconds.is_finite() || seconds < 0.0 {
-            return;
+        if teaches(tokens, seconds) {
+            self.recent.add(KEEP, tokens as f64, seconds);
         }
-        self.recent.add(KEEP, tokens as f64, seconds);
     }
 
     /// Adds a step measured once, before any other (a warm-up's), that never fades: it counts
@@ -111,22 +116,17 @@ impl StepTimeModel {
     /// priced at a whole step's time). The steps observed later outweigh the anchors wherever
     /// the two disagree.
     pub fn anchor(&mut self, tokens: usize, seconds: f64) {
-        if tokens == 0 || !seconds.is_finite() || seconds < 0.0 {
-            return;
+        if teaches(tokens, seconds) {
+            self.anchors.add(1.0, tokens as f64, seconds);
         }
-        self.anchors.add(1.0, tokens as f64, seconds);
     }
 
     /// The fit, once a step has been observed (or anchored).
     pub fn fit(&self) -> Option<StepTimeFit> {
-        let s = self.recent.plus(&self.anchors);
-        if s.w == 0.0 || s.x <= 0.0 {
-            return None;
-        }
-        let (mean_x, mean_y) = (s.x / s.w, s.y / s.w);
-        self.linear().or(Some(StepTimeFit {
+        let m = self.moments()?;
+        Some(m.linear().unwrap_or(StepTimeFit {
             fixed_seconds: 0.0,
-            per_token_seconds: (mean_y / mean_x).max(f64::MIN_POSITIVE),
+            per_token_seconds: (m.mean_y / m.mean_x).max(f64::MIN_POSITIVE),
         }))
     }
 
@@ -136,16 +136,10 @@ impl StepTimeModel {
     /// step's extra tokens (a GPU verifies two tokens or eight in the same time); wrong for
     /// sizing a step under a time limit, which is why [`Self::fit`] stays proportional.
     pub fn fit_or_flat(&self) -> Option<StepTimeFit> {
-        let s = self.recent.plus(&self.anchors);
-        if s.w == 0.0 || s.x <= 0.0 {
-            return None;
-        }
-        let (mean_x, mean_y) = (s.x / s.w, s.y / s.w);
-        let variance = (s.xx / s.w - mean_x * mean_x).max(0.0);
-        let spread = variance.sqrt() >= MIN_RELATIVE_SPREAD * mean_x;
-        if spread && s.xy / s.w - mean_x * mean_y <= 0.0 {
+        let m = self.moments()?;
+        if m.spread() && m.covariance <= 0.0 {
             return Some(StepTimeFit {
-                fixed_seconds: mean_y,
+                fixed_seconds: m.mean_y,
                 per_token_seconds: 0.0,
             });
         }
@@ -156,17 +150,46 @@ impl StepTimeModel {
     /// spread enough and the line has a positive slope and no negative fixed part. (Where
     /// [`Self::fit`] falls back to charging the whole time per token, this says nothing.)
     pub fn linear(&self) -> Option<StepTimeFit> {
+        self.moments()?.linear()
+    }
+
+    /// The weighted means, variance and covariance of the recent steps and the anchors
+    /// together; `None` before any step.
+    fn moments(&self) -> Option<Moments> {
         let s = self.recent.plus(&self.anchors);
         if s.w == 0.0 || s.x <= 0.0 {
             return None;
         }
         let (mean_x, mean_y) = (s.x / s.w, s.y / s.w);
-        let variance = (s.xx / s.w - mean_x * mean_x).max(0.0);
-        if variance.sqrt() < MIN_RELATIVE_SPREAD * mean_x {
+        Some(Moments {
+            mean_x,
+            mean_y,
+            variance: (s.xx / s.w - mean_x * mean_x).max(0.0),
+            covariance: s.xy / s.w - mean_x * mean_y,
+        })
+    }
+}
+
+/// What a fit reads from the weighted sums.
+struct Moments {
+    mean_x: f64,
+    mean_y: f64,
+    variance: f64,
+    covariance: f64,
+}
+
+impl Moments {
+    /// Whether the step sizes spread enough to tell a slope from a fixed part.
+    fn spread(&self) -> bool {
+        self.variance.sqrt() >= MIN_RELATIVE_SPREAD * self.mean_x
+    }
+
+    fn linear(&self) -> Option<StepTimeFit> {
+        if !self.spread() {
             return None;
         }
-        let slope = (s.xy / s.w - mean_x * mean_y) / variance;
-        let fixed = mean_y - slope * mean_x;
+        let slope = self.covariance / self.variance;
+        let fixed = self.mean_y - slope * self.mean_x;
         // Else noise, or a cost that is not linear in the tokens.
         (slope > 0.0 && fixed >= 0.0).then_some(StepTimeFit {
             fixed_seconds: fixed,
