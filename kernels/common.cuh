@@ -55,6 +55,17 @@ __device__ __forceinline__ void unpack8(uint4 v, float* out) {
     out[6] = bf16x2_lo(v.w); out[7] = bf16x2_hi(v.w);
 }
 
+// c += a·b on the tensor cores: a 16×16 bf16 tile (row-major fragments), b 16×8 bf16 (column
+// fragments), c 16×8 f32. Each element of c is its own row's and column's dot product: the
+// other columns of b do not change its bits.
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

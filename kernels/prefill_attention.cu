@@ -40,14 +40,6 @@
 #define PREFILL_MIN_BLOCKS 2
 #endif
 
-__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Four 8×8 bf16 matrices from shared memory, rows addressed by lanes 0-7, 8-15, 16-23, 24-31.
 __device__ __forceinline__ void ldmatrix_x4(u32* r, const bf16* smem) {
     u32 at = (u32)__cvta_generic_to_shared(smem);

@@ -489,6 +489,7 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
         &policies.cache,
         &policies.snapshots,
         &policies.admission,
+        &policies.speculative,
     );
     let mut backend = match &args.model_config {
         Some(shape) if args.random_weights => random_backend(shape, &files, args.seed, &cuda)?,
@@ -901,6 +902,8 @@ fn cuda_bench_backend(
         cuda_graphs: !args.no_cuda_graphs,
         gemv_max_tokens: args.gemv_max_tokens,
         gemv_max_weight_bytes: args.gemv_max_weight_mib << 20,
+        // Verifications are timed as speculation runs them.
+        exact_verify: spec.verify_width > 1,
         programmatic_launch: !args.no_programmatic_launch,
         pool: PoolSize::MemoryFraction(1.0),
         device_snapshot_bytes: 0,

@@ -329,6 +329,83 @@ fn device_verification_picks_what_the_host_picks() {
     println!("verified on the device: {device:?}");
 }
 
+/// A verification computes each position exactly as a step of that one token does: its
+/// logits are the same bits (so greedy text is the same with speculation on and off), for
+/// widths that fill and that pad a graph bucket, at contexts that split attention differently
+/// and cross page boundaries, with graphs and without.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn verification_logits_are_the_bits_of_one_token_steps() {
+    let (_dir, files) = model(&SyntheticSpec::smollm2(22));
+    let vocab = 49_152;
+    for graphs in [true, false] {
+        let options = CudaOptions {
+            cuda_graphs: graphs,
+            exact_verify: true,
+            ..CudaOptions::for_tokens(PAGES * PAGE, 1024, 16)
+        };
+        let mut gpu = CudaBackend::load(&files, &options).unwrap();
+        for (case, context) in [25usize, 300, 1000].into_iter().enumerate() {
+            let tokens = prompt(40 + case as u32, context + 8);
+            let n_pages = (context + 8).div_ceil(PAGE);
+            let prefill = |gpu: &mut CudaBackend, first: u32| {
+                let row = RowPlan {
+                    tokens: tokens[..context].to_vec(),
+                    start_pos: 0,
+                    pages: pages(first, n_pages),
+                    logits: LogitsWanted::None,
+                };
+                gpu.step(&StepPlan { rows: vec![row] }).unwrap();
+            };
+            // One token a step.
+            prefill(&mut gpu, 0);
+            let alone: Vec<Vec<f32>> = (0..8)
+                .map(|k| {
+                    let row = RowPlan {
+                        tokens: vec![tokens[context + k]],
+                        start_pos: context + k,
+                        pages: pages(0, n_pages),
+                        logits: LogitsWanted::Last,
+                    };
+                    gpu.step(&StepPlan { rows: vec![row] }).unwrap().logits
+                })
+                .collect();
+            for (first, width) in [(1u32, 8usize), (2, 3)] {
+                prefill(&mut gpu, first);
+                let plan = StepPlan {
+                    rows: vec![RowPlan {
+                        tokens: tokens[context..context + width].to_vec(),
+                        start_pos: context,
+                        pages: pages(first, n_pages),
+                        logits: LogitsWanted::All,
+                    }],
+                };
+                let mut greedy = Sampler::new(&SamplingParams::default(), &[]);
+                gpu.step_and_verify(&plan, &mut [Some(&mut greedy)], &[width - 1])
+                    .unwrap();
+                let verified = gpu.last_logits(width).unwrap();
+                for (k, want) in alone.iter().take(width).enumerate() {
+                    let got = &verified[k * vocab..(k + 1) * vocab];
+                    let differ = got
+                        .iter()
+                        .zip(want)
+                        .filter(|(a, b)| a.to_bits() != b.to_bits())
+                        .count();
+                    assert_eq!(
+                        differ,
+                        0,
+                        "graphs {graphs}, context {context}, width {width}: position {k}'s \
+                         logits differ from its one-token step in {differ} of {vocab} \
+                         (argmax {} against {})",
+                        argmax(got),
+                        argmax(want)
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// A sampled verification on the device draws one uniform per pick it makes, as one token a
 /// step would: its random stream ends where a sampler of the same seed that drew once per kept
 /// token ends, and the same seed gives the same picks.

@@ -23,8 +23,8 @@ use super::collective::Collective;
 use super::device::{DPtr, Device, DeviceBuffer};
 use super::gemm::{Gemm, Linear};
 use super::kernels::{
-    AddRmsNorm, Attention, AttnShape, DecodeAttention, Embed, GEMV_NORM_MAX_IN, GemvInput,
-    GemvOutput, Kernels, MetaBuffers, RopeKv, Splits,
+    AddRmsNorm, Attention, AttnShape, DecodeAttention, Embed, GEMV_MAX_TOKENS, GEMV_NORM_MAX_IN,
+    GEMV_TC_CHUNK, GemvInput, GemvOutput, Kernels, MetaBuffers, RopeKv, Splits,
 };
 use super::pool::KvPool;
 use super::weights::GpuWeights;
@@ -179,6 +179,9 @@ pub struct Forward<'a> {
     pub gemv_max_tokens: usize,
     /// ... and only for weights of at most this many bytes.
     pub gemv_max_weight_bytes: usize,
+    /// Those projections run on the tensor-core gemv, whose sums do not depend on the token
+    /// count (see [`super::CudaOptions::exact_verify`]).
+    pub exact: bool,
     /// This rank's exchanges, where the model is split over several.
     pub tp: Option<TpForward<'a>>,
 }
@@ -278,11 +281,29 @@ impl Forward<'_> {
         })
     }
 
-    /// Whether a projection of `shape` runs on our gemv (few tokens, a small weight), where
-    /// cuBLAS's fixed costs dominate; cuBLAS otherwise.
+    /// Whether a projection of `shape` runs on our gemv (few tokens, a small weight; for the
+    /// tensor-core one, rows a multiple of [`GEMV_TC_CHUNK`] long), where cuBLAS's fixed costs
+    /// dominate; cuBLAS otherwise.
     fn gemv_serves(&self, shape: Linear) -> bool {
         let weight_bytes = shape.in_features * shape.out_features * 2;
-        shape.tokens <= self.gemv_max_tokens && weight_bytes <= self.gemv_max_weight_bytes
+        shape.tokens <= self.gemv_max_tokens
+            && weight_bytes <= self.gemv_max_weight_bytes
+            && (!self.exact || shape.in_features.is_multiple_of(GEMV_TC_CHUNK))
+    }
+
+    /// The gemv this pass uses: the tensor-core one when `exact`.
+    fn gemv(
+        &self,
+        input: GemvInput,
+        w: DPtr<bf16>,
+        output: GemvOutput,
+        shape: Linear,
+    ) -> Result<()> {
+        if self.exact {
+            self.kernels.gemv_tc(input, w, output, shape)
+        } else {
+            self.kernels.gemv(input, w, output, shape)
+        }
     }
 
     /// The input of a projection of `shape` after an RMSNorm with `weight`: fused into the gemv
@@ -305,7 +326,7 @@ impl Forward<'_> {
     fn project(&self, x: GemvInput, w: DPtr<bf16>, y: DPtr<bf16>, shape: Linear) -> Result<()> {
         match x {
             GemvInput::Rows(x) if !self.gemv_serves(shape) => self.gemm.linear(x, w, y, shape),
-            x => self.kernels.gemv(x, w, GemvOutput::Rows(y), shape),
+            x => self.gemv(x, w, GemvOutput::Rows(y), shape),
         }
     }
 
@@ -317,7 +338,7 @@ impl Forward<'_> {
         if let Some(tp) = &self.tp {
             if self.gemv_serves(shape) {
                 let out = GemvOutput::Rows(self.ws.proj);
-                self.kernels.gemv(GemvInput::Rows(x), w, out, shape)?;
+                self.gemv(GemvInput::Rows(x), w, out, shape)?;
             } else {
                 self.gemm.linear(x, w, self.ws.proj, shape)?;
             }
@@ -328,7 +349,7 @@ impl Forward<'_> {
         }
         if self.gemv_serves(shape) {
             let out = GemvOutput::Accumulate(self.ws.x);
-            self.kernels.gemv(GemvInput::Rows(x), w, out, shape)?;
+            self.gemv(GemvInput::Rows(x), w, out, shape)?;
             return Ok(Stream::Current);
         }
         self.gemm.linear(x, w, self.ws.proj, shape)?;
@@ -444,7 +465,7 @@ impl Forward<'_> {
         let input = self.normed_input(stream, w.ffn_norm, gate_up)?;
         if self.gemv_serves(gate_up) {
             let out = GemvOutput::Glu(self.ws.narrow);
-            self.kernels.gemv(input, w.w_gate_up, out, gate_up)?;
+            self.gemv(input, w.w_gate_up, out, gate_up)?;
         } else {
             self.project(input, w.w_gate_up, self.ws.wide, gate_up)?;
             self.kernels
@@ -485,9 +506,26 @@ pub fn decode_split_pairs(multiprocessors: usize, rows: usize, blocks_per_row: u
         .unwrap_or(0)
 }
 
-/// The split workspaces' size: decode's need, and room for prefill's.
+/// The split workspaces' size: decode's need, a verification's (up to
+/// [`GEMV_MAX_TOKENS`] positions, each split as a lone row is: see [`verify_splits`]), and room
+/// for prefill's.
 pub fn split_pairs(multiprocessors: usize, rows: usize, blocks_per_row: usize) -> usize {
-    decode_split_pairs(multiprocessors, rows, blocks_per_row).max(PREFILL_SPLIT_PAIRS)
+    decode_split_pairs(multiprocessors, rows, blocks_per_row)
+        .max(rows.min(GEMV_MAX_TOKENS) * decode_splits(multiprocessors, 1, blocks_per_row))
+        .max(PREFILL_SPLIT_PAIRS)
+}
+
+/// Splits for decode attention over a verification's `positions` rows. Up to
+/// [`GEMV_MAX_TOKENS`] of them, a launch splits as a step of one row does: the kernel divides
+/// a row's keys by the launch's splits (`decode_row` in decode_attention.cu), so each position
+/// then merges the same partial sums, in the same order, as it would decoded alone.
+pub fn verify_splits(multiprocessors: usize, positions: usize, blocks_per_row: usize) -> usize {
+    let as_rows = if positions <= GEMV_MAX_TOKENS {
+        1
+    } else {
+        positions
+    };
+    decode_splits(multiprocessors, as_rows, blocks_per_row)
 }
 
 /// Key splits for a prefill launch of `blocks` blocks over `tokens` tokens whose longest row

@@ -406,11 +406,29 @@ fn gemm_projects_rows_in_bf16_and_f32() {
     );
 }
 
+/// The CUDA-core gemv, or the tensor-core one with `tc`.
+#[allow(clippy::type_complexity)]
+fn gemv(
+    g: &Gpu,
+    tc: bool,
+) -> impl Fn(GemvInput, DPtr<bf16>, GemvOutput, Linear) -> crate::error::Result<()> + '_ {
+    move |input, w, output, shape| {
+        if tc {
+            g.kernels.gemv_tc(input, w, output, shape)
+        } else {
+            g.kernels.gemv(input, w, output, shape)
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn gemv_matches_reference_for_few_tokens() {
     let g = gpu(64);
-    for (tokens, inf, outf) in [(1, 576, 960), (3, 4096, 301), (8, 1536, 576), (2, 64, 7)] {
+    for ((tokens, inf, outf), tc) in [(1, 576, 960), (3, 4096, 301), (8, 1536, 576), (2, 64, 7)]
+        .into_iter()
+        .flat_map(|shape| [(shape, false), (shape, true)])
+    {
         let mut r = rng(12 + tokens as u64);
         let x = round_bf16(&uniform(&mut r, tokens * inf, 1.0));
         let w = round_bf16(&uniform(&mut r, outf * inf, 0.1));
@@ -421,20 +439,25 @@ fn gemv_matches_reference_for_few_tokens() {
             in_features: inf,
             out_features: outf,
         };
-        g.kernels
-            .gemv(
-                GemvInput::Rows(x_d.ptr()),
-                w_d.ptr(),
-                GemvOutput::Rows(y.ptr()),
-                shape,
-            )
-            .unwrap();
+        gemv(&g, tc)(
+            GemvInput::Rows(x_d.ptr()),
+            w_d.ptr(),
+            GemvOutput::Rows(y.ptr()),
+            shape,
+        )
+        .unwrap();
         let want: Vec<f32> = reference_product(&x, &w, tokens, inf, outf)
             .into_iter()
             .map(|v| v as f32)
             .collect();
         let got = g.download_bf16(y.ptr(), tokens * outf);
-        assert_close(&format!("gemv {tokens}x{inf} by {outf}"), &got, &want, 4e-3);
+        let what = if tc { "gemv_tc" } else { "gemv" };
+        assert_close(
+            &format!("{what} {tokens}x{inf} by {outf}"),
+            &got,
+            &want,
+            4e-3,
+        );
     }
 }
 
@@ -468,7 +491,11 @@ fn reference_norm(x: &[f32], weight: &[f32], hidden: usize, eps: f32) -> Vec<f32
 fn gemv_fuses_the_norm_before_and_the_activation_or_residual_add_after() {
     let g = gpu(64);
     let eps = 1e-5;
-    for (tokens, inf, outf) in [(1, 576, 960), (3, 4096, 302), (8, 1536, 576), (2, 64, 8)] {
+    for ((tokens, inf, outf), tc) in [(1, 576, 960), (3, 4096, 302), (8, 1536, 576), (2, 64, 8)]
+        .into_iter()
+        .flat_map(|shape| [(shape, false), (shape, true)])
+    {
+        let gemv = gemv(&g, tc);
         let mut r = rng(40 + tokens as u64);
         let residual = uniform(&mut r, tokens * inf, 2.0);
         let norm_weight = round_bf16(&uniform(&mut r, inf, 1.5));
@@ -486,12 +513,10 @@ fn gemv_fuses_the_norm_before_and_the_activation_or_residual_add_after() {
             in_features: inf,
             out_features: outf,
         };
-        let what = |mode: &str| format!("{mode} {tokens}x{inf} by {outf}");
+        let what = |mode: &str| format!("{mode} {tokens}x{inf} by {outf} (tensor cores: {tc})");
 
         let y = g.poisoned(tokens * outf * 2);
-        g.kernels
-            .gemv(normed, w_d.ptr(), GemvOutput::Rows(y.ptr()), shape)
-            .unwrap();
+        gemv(normed, w_d.ptr(), GemvOutput::Rows(y.ptr()), shape).unwrap();
         let product = reference_product(
             &reference_norm(&residual, &norm_weight, inf, eps),
             &w,
@@ -516,31 +541,26 @@ fn gemv_fuses_the_norm_before_and_the_activation_or_residual_add_after() {
                 .collect()
         };
         let y = g.poisoned(tokens * f * 2);
-        g.kernels
-            .gemv(normed, w_d.ptr(), GemvOutput::Glu(y.ptr()), shape)
-            .unwrap();
+        gemv(normed, w_d.ptr(), GemvOutput::Glu(y.ptr()), shape).unwrap();
         let got = g.download_bf16(y.ptr(), tokens * f);
         assert_close(&what("gemv_norm_glu"), &got, &glu(&product), 8e-3);
 
         let plain = reference_product(&x, &w, tokens, inf, outf);
         let y = g.poisoned(tokens * f * 2);
-        g.kernels
-            .gemv(
-                GemvInput::Rows(x_d.ptr()),
-                w_d.ptr(),
-                GemvOutput::Glu(y.ptr()),
-                shape,
-            )
-            .unwrap();
+        gemv(
+            GemvInput::Rows(x_d.ptr()),
+            w_d.ptr(),
+            GemvOutput::Glu(y.ptr()),
+            shape,
+        )
+        .unwrap();
         let got = g.download_bf16(y.ptr(), tokens * f);
         assert_close(&what("gemv_glu"), &got, &glu(&plain), 8e-3);
 
         let stream = uniform(&mut r, tokens * outf, 3.0);
         let stream_d = g.upload(&stream);
         let out = GemvOutput::Accumulate(stream_d.ptr());
-        g.kernels
-            .gemv(GemvInput::Rows(x_d.ptr()), w_d.ptr(), out, shape)
-            .unwrap();
+        gemv(GemvInput::Rows(x_d.ptr()), w_d.ptr(), out, shape).unwrap();
         let want: Vec<f32> = stream
             .iter()
             .zip(&plain)
@@ -548,6 +568,83 @@ fn gemv_fuses_the_norm_before_and_the_activation_or_residual_add_after() {
             .collect();
         let got = g.download(stream_d.ptr::<f32>(), tokens * outf);
         assert_close(&what("gemv_accum"), &got, &want, 1e-3);
+    }
+}
+
+/// The tensor-core gemv gives each token the bits it gets alone, at every token count and for
+/// every fused mode: a verification's positions are computed as one-token steps compute them.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gemv_tc_gives_a_token_the_same_bits_whatever_the_tokens_beside_it() {
+    let g = gpu(64);
+    let eps = 1e-5;
+    for (inf, outf) in [(576, 960), (1536, 576), (4096, 1032)] {
+        let mut r = rng(inf as u64 + outf as u64);
+        let most = GEMV_MAX_TOKENS;
+        let x = round_bf16(&uniform(&mut r, most * inf, 1.0));
+        let w = round_bf16(&uniform(&mut r, outf * inf, 0.1));
+        let residual = uniform(&mut r, most * inf, 2.0);
+        let norm_weight = round_bf16(&uniform(&mut r, inf, 1.5));
+        let stream = uniform(&mut r, most * outf, 3.0);
+        let (x_d, w_d) = (g.upload_bf16(&x), g.upload_bf16(&w));
+        let (residual_d, norm_d) = (g.upload(&residual), g.upload_bf16(&norm_weight));
+        // (name, normed input, output kind, output elements a token, f32 output)
+        let modes = [
+            ("gemv", false, 0, outf),
+            ("gemv_norm", true, 0, outf),
+            ("gemv_glu", false, 1, outf / 2),
+            ("gemv_norm_glu", true, 1, outf / 2),
+            ("gemv_accum", false, 2, outf),
+        ];
+        for (name, normed, kind, per_token) in modes {
+            // Each token's output bits from a launch of `tokens` tokens from token `first` on.
+            let run = |first: usize, tokens: usize| -> Vec<Vec<u32>> {
+                let input = if normed {
+                    GemvInput::Normed {
+                        residual: residual_d.ptr::<f32>().offset(first * inf),
+                        weight: norm_d.ptr(),
+                        eps,
+                    }
+                } else {
+                    GemvInput::Rows(x_d.ptr::<bf16>().offset(first * inf))
+                };
+                let y = if kind == 2 {
+                    g.upload(&stream[first * per_token..(first + tokens) * per_token])
+                } else {
+                    g.poisoned(tokens * per_token * 2)
+                };
+                let output = match kind {
+                    0 => GemvOutput::Rows(y.ptr()),
+                    1 => GemvOutput::Glu(y.ptr()),
+                    _ => GemvOutput::Accumulate(y.ptr()),
+                };
+                let shape = Linear {
+                    tokens,
+                    in_features: inf,
+                    out_features: outf,
+                };
+                g.kernels.gemv_tc(input, w_d.ptr(), output, shape).unwrap();
+                let bits: Vec<u32> = if kind == 2 {
+                    let v: Vec<f32> = g.download(y.ptr(), tokens * per_token);
+                    v.iter().map(|v| v.to_bits()).collect()
+                } else {
+                    let v: Vec<bf16> = g.download(y.ptr(), tokens * per_token);
+                    v.iter().map(|v| v.to_bits() as u32).collect()
+                };
+                bits.chunks(per_token).map(<[u32]>::to_vec).collect()
+            };
+            let alone: Vec<Vec<u32>> = (0..most).map(|t| run(t, 1).remove(0)).collect();
+            for tokens in 2..=most {
+                for (t, got) in run(0, tokens).iter().enumerate() {
+                    let differ = got.iter().zip(&alone[t]).filter(|(a, b)| a != b).count();
+                    assert_eq!(
+                        differ, 0,
+                        "{name} {inf}->{outf}: token {t} of {tokens} differs from the token \
+                         alone in {differ} of {per_token} outputs"
+                    );
+                }
+            }
+        }
     }
 }
 

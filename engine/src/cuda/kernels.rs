@@ -19,7 +19,7 @@ use super::gemm::Linear;
 use crate::error::{EngineError, Result};
 
 /// The sources, `common.cuh` first.
-const SOURCES: [(&str, &str); 13] = [
+const SOURCES: [(&str, &str); 14] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "embedding.cu",
@@ -28,6 +28,7 @@ const SOURCES: [(&str, &str); 13] = [
     ("rms_norm.cu", include_str!("../../../kernels/rms_norm.cu")),
     ("silu_mul.cu", include_str!("../../../kernels/silu_mul.cu")),
     ("gemv.cu", include_str!("../../../kernels/gemv.cu")),
+    ("gemv_tc.cu", include_str!("../../../kernels/gemv_tc.cu")),
     ("rope_kv.cu", include_str!("../../../kernels/rope_kv.cu")),
     // Decode attention uses prefill attention's tile loader and tensor-core helpers.
     (
@@ -138,6 +139,12 @@ const GEMV_THREADS: u32 = 128;
 /// stream (4,096 × 4 bytes for an 8B model: a third of the bytes of the eight weight rows it
 /// streams).
 pub const GEMV_NORM_MAX_IN: usize = 2048;
+/// [`Kernels::gemv_tc`] reads rows in chunks of this many elements (`GEMV_TC_CHUNK`): it serves
+/// only rows a multiple long.
+pub const GEMV_TC_CHUNK: usize = 64;
+/// A [`Kernels::gemv_tc`] block: one tile of 8 weight rows (8 outputs, 4 with GLU), 8 warps.
+const GEMV_TC_TILE_ROWS: usize = 8;
+const GEMV_TC_THREADS: u32 = 256;
 /// The gemv kernels by what they fuse (see gemv.cu), each for at most 1, 2, 4 and 8 tokens.
 const GEMV_KERNELS: [&str; 5] = [
     "gemv",
@@ -216,6 +223,8 @@ pub struct Kernels {
     silu_mul: CudaFunction,
     /// By [`GEMV_KERNELS`], then for at most 1, 2, 4 and 8 tokens.
     gemv: Vec<[CudaFunction; 4]>,
+    /// The tensor-core gemv (gemv_tc.cu), by [`GEMV_KERNELS`].
+    gemv_tc: Vec<CudaFunction>,
     rope_kv_append: CudaFunction,
     decode_attention: CudaFunction,
     prefill_attention: CudaFunction,
@@ -261,6 +270,10 @@ impl Kernels {
                     ])
                 })
                 .collect::<Result<_>>()?,
+            gemv_tc: GEMV_KERNELS
+                .iter()
+                .map(|name| f(&name.replacen("gemv", "gemv_tc", 1)))
+                .collect::<std::result::Result<_, _>>()?,
             rope_kv_append: f("rope_kv_append")?,
             decode_attention,
             prefill_attention,
@@ -354,17 +367,61 @@ impl Kernels {
             5..=GEMV_MAX_TOKENS => 3,
             n => panic!("gemv takes 1 to {GEMV_MAX_TOKENS} tokens, not {n}"),
         };
-        let normed = matches!(input, GemvInput::Normed { .. });
-        // Outputs of the launch, and how many one block writes.
-        let (kernel, outputs, per_block) = match (normed, output) {
-            (false, GemvOutput::Rows(_)) => (0, shape.out_features, GEMV_ROWS),
-            (true, GemvOutput::Rows(_)) => (1, shape.out_features, GEMV_ROWS),
-            (false, GemvOutput::Glu(_)) => (2, shape.out_features / 2, GEMV_ROWS / 2),
-            (true, GemvOutput::Glu(_)) => (3, shape.out_features / 2, GEMV_ROWS / 2),
-            (false, GemvOutput::Accumulate(_)) => (4, shape.out_features, GEMV_ROWS),
-            (true, GemvOutput::Accumulate(_)) => {
-                panic!("no gemv adds the product of a normed input to the residual stream")
-            }
+        let (kernel, per_block) = gemv_kernel(input, output, GEMV_ROWS);
+        self.launch_gemv(
+            &self.gemv[kernel][variant],
+            per_block,
+            GEMV_THREADS,
+            input,
+            w,
+            output,
+            shape,
+        )
+    }
+
+    /// [`Kernels::gemv`] on the tensor cores (gemv_tc.cu): each token's outputs are the same bits
+    /// whatever the token count, at the same cost for 1 to [`GEMV_MAX_TOKENS`] tokens. Rows
+    /// must be a multiple of [`GEMV_TC_CHUNK`] long.
+    pub fn gemv_tc(
+        &self,
+        input: GemvInput,
+        w: DPtr<bf16>,
+        output: GemvOutput,
+        shape: Linear,
+    ) -> Result<()> {
+        assert!(
+            (1..=GEMV_MAX_TOKENS).contains(&shape.tokens),
+            "gemv takes 1 to {GEMV_MAX_TOKENS} tokens, not {}",
+            shape.tokens
+        );
+        assert!(shape.in_features.is_multiple_of(GEMV_TC_CHUNK));
+        let (kernel, per_block) = gemv_kernel(input, output, GEMV_TC_TILE_ROWS);
+        let function = &self.gemv_tc[kernel];
+        self.launch_gemv(
+            function,
+            per_block,
+            GEMV_TC_THREADS,
+            input,
+            w,
+            output,
+            shape,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch_gemv(
+        &self,
+        function: &CudaFunction,
+        per_block: usize,
+        threads: u32,
+        input: GemvInput,
+        w: DPtr<bf16>,
+        output: GemvOutput,
+        shape: Linear,
+    ) -> Result<()> {
+        let outputs = match output {
+            GemvOutput::Glu(_) => shape.out_features / 2,
+            _ => shape.out_features,
         };
         let args = match input {
             GemvInput::Rows(x) => Args::new().ptr(x).ptr(w),
@@ -385,9 +442,7 @@ impl Kernels {
             .u32(shape.in_features as u32)
             .u32(outputs as u32);
         let blocks = outputs.div_ceil(per_block) as u32;
-        let function = &self.gemv[kernel][variant];
-        self.device
-            .launch(function, (blocks, 1, 1), GEMV_THREADS, &args)
+        self.device.launch(function, (blocks, 1, 1), threads, &args)
     }
 
     /// Bias, rotary embedding of q and k, and the append of k and v to the paged cache.
@@ -930,6 +985,22 @@ mod tests {
         let ptx = super::compile("sm_90").unwrap();
         if let Some(path) = std::env::var_os("PTX_OUT") {
             std::fs::write(path, ptx.to_src()).unwrap();
+        }
+    }
+}
+
+/// The kernel of [`GEMV_KERNELS`] for `input` and `output`, and the outputs one block writes
+/// when it streams `rows` weight rows (with GLU, rows o and out + o make output o).
+fn gemv_kernel(input: GemvInput, output: GemvOutput, rows: usize) -> (usize, usize) {
+    let normed = matches!(input, GemvInput::Normed { .. });
+    match (normed, output) {
+        (false, GemvOutput::Rows(_)) => (0, rows),
+        (true, GemvOutput::Rows(_)) => (1, rows),
+        (false, GemvOutput::Glu(_)) => (2, rows / 2),
+        (true, GemvOutput::Glu(_)) => (3, rows / 2),
+        (false, GemvOutput::Accumulate(_)) => (4, rows),
+        (true, GemvOutput::Accumulate(_)) => {
+            panic!("no gemv adds the product of a normed input to the residual stream")
         }
     }
 }

@@ -44,7 +44,10 @@ use std::sync::Arc;
 
 use cache::{BackingId, KvGeometry, PageClone, PageCopy, Tier};
 pub use policy::PoolSize;
-use policy::{AdmissionPolicy, CachePolicy, EngineConfig, SnapshotPolicy};
+use policy::{
+    AdmissionPolicy, CachePolicy, EngineConfig, SnapshotPolicy, SpeculativeConfig,
+    SpeculativeMethod,
+};
 
 use crate::backend::{Backend, BackendInfo, HostRun, MemoryReport, RowPlan, StepOutput, StepPlan};
 use crate::error::{EngineError, Result};
@@ -97,6 +100,14 @@ pub struct CudaOptions {
     pub gemv_max_tokens: usize,
     /// Only weights of at most this many bytes go through the gemv kernel.
     pub gemv_max_weight_bytes: usize,
+    /// Verify drafts exactly as one token a step decodes (speculation's greedy text is then the
+    /// text without it): steps of at most `gemv_max_tokens` tokens, and a verification's up to
+    /// [`kernels::GEMV_MAX_TOKENS`] positions, run their small projections on the tensor-core
+    /// gemv (kernels/gemv_tc.cu), whose sums do not depend on the token count, and split each
+    /// position's attention as a lone row's. It costs one-token steps: on the H200 SmolLM2
+    /// 0.578 → 0.663 ms a step, the 8B shape 4.20 → 4.80 ms (BENCHMARKS.md), so by default it
+    /// is on where speculation is (`[engine] batch_invariant`).
+    pub exact_verify: bool,
     /// Launch each kernel of a step of at most `gemv_max_tokens` tokens as a programmatic
     /// dependent of the one before, where the device has it (sm_90 and newer): its blocks wait
     /// on the device instead of being launched after. Measured on the H200: SmolLM2 batch 1 ×
@@ -121,6 +132,7 @@ impl CudaOptions {
         cache: &CachePolicy,
         snapshots: &SnapshotPolicy,
         admission: &AdmissionPolicy,
+        speculative: &SpeculativeConfig,
     ) -> Self {
         CudaOptions {
             device: engine.device,
@@ -141,6 +153,9 @@ impl CudaOptions {
             max_rows: admission.max_running(),
             gemv_max_tokens: DEFAULT_GEMV_MAX_TOKENS,
             gemv_max_weight_bytes: forward::GEMV_MAX_WEIGHT_BYTES,
+            exact_verify: engine
+                .batch_invariant
+                .unwrap_or(speculative.method != SpeculativeMethod::None),
             programmatic_launch: true,
         }
     }
@@ -162,6 +177,7 @@ impl CudaOptions {
             max_rows,
             gemv_max_tokens: DEFAULT_GEMV_MAX_TOKENS,
             gemv_max_weight_bytes: forward::GEMV_MAX_WEIGHT_BYTES,
+            exact_verify: false,
             programmatic_launch: true,
         }
     }
@@ -201,6 +217,7 @@ pub struct CudaBackend {
     tp: Option<TpState>,
     gemv_max_tokens: usize,
     gemv_max_weight_bytes: usize,
+    exact_verify: bool,
     programmatic_launch: bool,
     info: BackendInfo,
     plan: MemoryPlan,
@@ -354,6 +371,7 @@ impl CudaBackend {
             device,
             gemv_max_tokens: options.gemv_max_tokens.min(kernels::GEMV_MAX_TOKENS),
             gemv_max_weight_bytes: options.gemv_max_weight_bytes,
+            exact_verify: options.exact_verify,
             programmatic_launch: options.programmatic_launch,
             config,
             shard,
@@ -471,6 +489,20 @@ impl CudaBackend {
     }
 
     fn forward(&self) -> Forward<'_> {
+        self.forward_with_gemv(self.gemv_max_tokens)
+    }
+
+    /// Whether a verification of `positions` rows computes each exactly as a step of that one
+    /// token would: every projection a one-token step sends to the gemv goes there too (its
+    /// sums do not depend on the token count, see gemv.cu), and attention splits each position
+    /// as a lone row ([`forward::verify_splits`]). Then greedy text is the same with
+    /// speculation on and off.
+    fn verify_invariant(&self, positions: usize) -> bool {
+        self.exact_verify && self.gemv_max_tokens >= 1 && positions <= kernels::GEMV_MAX_TOKENS
+    }
+
+    /// The forward pass with steps of at most `gemv_max_tokens` tokens on the gemv.
+    fn forward_with_gemv(&self, gemv_max_tokens: usize) -> Forward<'_> {
         Forward {
             config: &self.config,
             weights: &self.weights,
@@ -480,8 +512,9 @@ impl CudaBackend {
             meta: self.meta.buffers(),
             pool: &self.pool,
             page_tokens: self.info.geometry.page_tokens,
-            gemv_max_tokens: self.gemv_max_tokens,
+            gemv_max_tokens,
             gemv_max_weight_bytes: self.gemv_max_weight_bytes,
+            exact: self.exact_verify,
             tp: self.tp.as_ref().map(|tp| TpForward {
                 collective: &tp.collective,
                 logits_local: tp.logits_local.ptr(),
@@ -573,14 +606,25 @@ impl CudaBackend {
                 sample_params,
             },
         )?;
-        let splits = forward::decode_splits(
+        let (mp, bpr) = (
             self.device.multiprocessors as usize,
-            bucket,
             self.attn_shape().decode_blocks_per_row(),
         );
+        let invariant = append_first && self.verify_invariant(bucket);
+        let (splits, gemv_max_tokens) = if invariant {
+            (
+                forward::verify_splits(mp, bucket, bpr),
+                kernels::GEMV_MAX_TOKENS,
+            )
+        } else {
+            (
+                forward::decode_splits(mp, bucket, bpr),
+                self.gemv_max_tokens,
+            )
+        };
         // Out of `self` while replaying, so that `forward()` can borrow the rest of it.
         let mut graphs = self.graphs.take().expect("only called with graphs on");
-        let forward = self.forward();
+        let forward = self.forward_with_gemv(gemv_max_tokens);
         let key = bucket
             + if append_first {
                 graphs::APPEND_FIRST
@@ -654,7 +698,8 @@ impl CudaBackend {
             }
             drawn.push(after);
         }
-        let small = rows <= self.gemv_max_tokens;
+        let invariant = self.verify_invariant(rows);
+        let small = rows <= self.gemv_max_tokens || invariant;
         self.device
             .set_programmatic_launch(self.programmatic_launch && small);
         self.last_replay = None;
@@ -677,12 +722,22 @@ impl CudaBackend {
                     sample_params: &params,
                 },
             )?;
-            let splits = forward::decode_splits(
+            let (mp, bpr) = (
                 self.device.multiprocessors as usize,
-                layout.rows,
                 self.attn_shape().decode_blocks_per_row(),
             );
-            let forward = self.forward();
+            let (splits, gemv_max_tokens) = if invariant {
+                (
+                    forward::verify_splits(mp, layout.rows, bpr),
+                    kernels::GEMV_MAX_TOKENS,
+                )
+            } else {
+                (
+                    forward::decode_splits(mp, layout.rows, bpr),
+                    self.gemv_max_tokens,
+                )
+            };
+            let forward = self.forward_with_gemv(gemv_max_tokens);
             forward.run(
                 layout.tokens,
                 AttentionMode::Decode {
@@ -1056,6 +1111,16 @@ impl CudaBackend {
         } else {
             VerifyRoute::Host
         }
+    }
+
+    /// The first `rows` logit rows the last step left on the device (a verification's
+    /// positions, in order). For tests that compare a verification with one-token steps.
+    #[doc(hidden)]
+    pub fn last_logits(&self, rows: usize) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; rows * self.config.vocab_size];
+        self.device.synchronize()?;
+        self.device.download(self.ws.logits, &mut out)?;
+        Ok(out)
     }
 
     /// A rank other than 0 of a split model runs the passes of rank 0's verification.
