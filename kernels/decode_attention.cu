@@ -107,10 +107,7 @@ __device__ __forceinline__ void new_head(const bf16* row, const bf16* bias, u32 
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         float other = __shfl_xor_sync(0xffffffffu, out[i], half_lanes);
-        // Rounded at each operation, as rope_kv_append rotates (no contraction into fma):
-        // the same bits whichever kernel stores a position's key.
-        float a = __fmul_rn(out[i], cs[i]), b = __fmul_rn(other, sn[i]);
-        if (!v) out[i] = low ? __fsub_rn(a, b) : __fadd_rn(a, b);
+        if (!v) out[i] = low ? out[i] * cs[i] - other * sn[i] : out[i] * cs[i] + other * sn[i];
     }
 }
 

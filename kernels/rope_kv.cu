@@ -34,10 +34,7 @@ extern "C" __global__ void rope_kv_append(bf16* __restrict__ qkv, const bf16* __
             }
             float s, c;
             sincosf(pos * inv_freq[i], &s, &c);
-            // Rounded at each operation, as decode attention rotates its own k (`new_head`):
-            // a verification's keys, stored here, are the bits a one-token step stores.
-            bf16 rx = f32_to_bf16(__fsub_rn(__fmul_rn(x, c), __fmul_rn(y, s)));
-            bf16 ry = f32_to_bf16(__fadd_rn(__fmul_rn(y, c), __fmul_rn(x, s)));
+            bf16 rx = f32_to_bf16(x * c - y * s), ry = f32_to_bf16(y * c + x * s);
             if (head < heads) {
                 row[a] = rx;
                 row[b] = ry;
