@@ -156,11 +156,12 @@ pub struct EngineConfig {
     /// The ranks' GPUs in rank order (`tensor_parallel` of them); empty: consecutive from
     /// `device`.
     pub devices: Vec<usize>,
-    /// On the GPU, compute every step of up to 8 tokens with batch-invariant kernels, so a
-    /// sequence's tokens do not depend on how they were grouped into steps: speculation's
-    /// greedy text is then bit for bit the text of one token a step. Unset: on exactly where
+    /// On the GPU, compute one-token steps and verifications of up to 8 positions with
+    /// batch-invariant kernels, so a sequence decoding alone gets the same bits whether its
+    /// tokens were verified together or decoded one a step: speculation's greedy text is then
+    /// bit for bit the text of one token a step. Unset: on exactly where
     /// `[speculative]` is. Set it on a server without speculation to get the very text a
-    /// speculating one gives; it costs batch-1 decode ~12% (BENCHMARKS.md).
+    /// speculating one gives; it makes a batch-1 decode step 13–15% dearer (BENCHMARKS.md).
     pub batch_invariant: Option<bool>,
 }
 
