@@ -305,6 +305,21 @@ impl CudaBackend {
             dtype_bytes: 2,
         };
         let (capacity, sizes) = step_sizes(&config, options, device.multiprocessors as usize);
+        // The tensor-core gemv reads rows in chunks; a projection whose rows do not divide
+        // goes to cuBLAS, whose sums depend on the token count.
+        let rows = [config.hidden_size, config.q_dim(), config.intermediate_size];
+        if options.exact_verify
+            && rows
+                .iter()
+                .any(|r| !r.is_multiple_of(kernels::GEMV_TC_CHUNK))
+        {
+            tracing::warn!(
+                "batch_invariant: rows of {rows:?} elements are not all a multiple of {}; \
+                 those projections run on cuBLAS, so a verification's text may part from one \
+                 token a step's near a tie",
+                kernels::GEMV_TC_CHUNK
+            );
+        }
         let plan = MemoryPlan::new(&PlanInputs {
             device_name: device.name.clone(),
             total_bytes: device.total_bytes,
