@@ -7,9 +7,10 @@
 // at a third of the copy bandwidth (8B shape: 10.5 ms against a decode step's 4.2). Here a
 // warp's mma.m16n8k16 multiplies the tokens (rows of A; 8 of its 16 used, absent tokens zero)
 // by a tile of 8 weight rows (columns of B), so 1 and 8 tokens cost the same instructions. The
-// engine uses it for every step of at most 8 tokens where speculation must give the text of
-// one token a step (`CudaOptions::exact_verify`); gemv.cu stays faster for one token alone
-// (H200, batch 1: SmolLM2 0.577 against 0.649 ms a step, 8B 4.25 against 4.80).
+// engine uses it for one-token steps and verifications of up to 8 positions where speculation
+// must give the text of one token a step (`CudaOptions::exact_verify`); gemv.cu stays faster
+// for one token alone (H200, batch 1: SmolLM2 0.578 against 0.663 ms a step, 8B 4.20 against
+// 4.80).
 //
 // A block owns one tile; its GEMV_TC_WARPS warps split the reduction in chunks of
 // GEMV_TC_CHUNK elements (warp w takes chunks w, w + GEMV_TC_WARPS, ...), GEMV_TC_UNROLL chunks
