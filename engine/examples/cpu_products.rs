@@ -69,36 +69,30 @@ fn time<W: Weight>(name: &str, weights: &[(usize, usize, usize, Vec<W>)], rounds
     }
 }
 
+/// Random blocks of `bytes` each for every shape of [`SHAPES`].
+#[allow(clippy::type_complexity)]
+fn every_shape<W>(bytes: usize, parse: fn(&[u8]) -> Vec<W>) -> Vec<(usize, usize, usize, Vec<W>)> {
+    SHAPES
+        .iter()
+        .enumerate()
+        .map(|(i, &(k, n, l))| (k, n, l, blocks(k, n, bytes, parse, i as u64)))
+        .collect()
+}
+
 fn main() {
     let rounds = std::env::args()
         .nth(1)
         .map_or(5, |r| r.parse().expect("ROUNDS is a count"));
-    let q8: Vec<_> = SHAPES
-        .iter()
-        .enumerate()
-        .map(|(i, &(k, n, l))| {
-            (
-                k,
-                n,
-                l,
-                blocks(k, n, Q8_0_FILE_BYTES, BlockQ8_0::parse, i as u64),
-            )
-        })
-        .collect();
-    time("q8_0", &q8, rounds);
-    let q4: Vec<_> = SHAPES
-        .iter()
-        .enumerate()
-        .map(|(i, &(k, n, l))| {
-            (
-                k,
-                n,
-                l,
-                blocks(k, n, Q4_1_FILE_BYTES, BlockQ4_1::parse, i as u64),
-            )
-        })
-        .collect();
-    time("q4_1", &q4, rounds);
+    time(
+        "q8_0",
+        &every_shape(Q8_0_FILE_BYTES, BlockQ8_0::parse),
+        rounds,
+    );
+    time(
+        "q4_1",
+        &every_shape(Q4_1_FILE_BYTES, BlockQ4_1::parse),
+        rounds,
+    );
     let f32s: Vec<_> = SHAPES
         .iter()
         .map(|&(k, n, l)| (k, n, l, vec![0.01f32; k * n]))

@@ -506,26 +506,12 @@ pub fn decode_split_pairs(multiprocessors: usize, rows: usize, blocks_per_row: u
         .unwrap_or(0)
 }
 
-/// The split workspaces' size: decode's need, a verification's (up to
-/// [`GEMV_MAX_TOKENS`] positions, each split as a lone row is: see [`verify_splits`]), and room
-/// for prefill's.
+/// The split workspaces' size: decode's need, a batch-invariant verification's (up to
+/// [`GEMV_MAX_TOKENS`] positions, each split as a lone row is), and room for prefill's.
 pub fn split_pairs(multiprocessors: usize, rows: usize, blocks_per_row: usize) -> usize {
     decode_split_pairs(multiprocessors, rows, blocks_per_row)
         .max(rows.min(GEMV_MAX_TOKENS) * decode_splits(multiprocessors, 1, blocks_per_row))
         .max(PREFILL_SPLIT_PAIRS)
-}
-
-/// Splits for decode attention over a verification's `positions` rows. Up to
-/// [`GEMV_MAX_TOKENS`] of them, a launch splits as a step of one row does: the kernel divides
-/// a row's keys by the launch's splits (`decode_row` in decode_attention.cu), so each position
-/// then merges the same partial sums, in the same order, as it would decoded alone.
-pub fn verify_splits(multiprocessors: usize, positions: usize, blocks_per_row: usize) -> usize {
-    let as_rows = if positions <= GEMV_MAX_TOKENS {
-        1
-    } else {
-        positions
-    };
-    decode_splits(multiprocessors, as_rows, blocks_per_row)
 }
 
 /// Key splits for a prefill launch of `blocks` blocks over `tokens` tokens whose longest row

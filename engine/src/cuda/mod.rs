@@ -508,12 +508,29 @@ impl CudaBackend {
     }
 
     /// Whether a verification of `positions` rows computes each exactly as a step of that one
-    /// token would: every projection a one-token step sends to the gemv goes there too (its
-    /// sums do not depend on the token count, see gemv.cu), and attention splits each position
-    /// as a lone row ([`forward::verify_splits`]). Then greedy text is the same with
+    /// token would: every projection a one-token step sends to the gemv goes there too (the
+    /// tensor-core one, whose sums do not depend on the token count: see gemv_tc.cu), and
+    /// attention splits each position as a lone row. Then greedy text is the same with
     /// speculation on and off.
     fn verify_invariant(&self, positions: usize) -> bool {
         self.exact_verify && self.gemv_max_tokens >= 1 && positions <= kernels::GEMV_MAX_TOKENS
+    }
+
+    /// Decode attention's splits and the gemv's token limit for a decode step of `rows` rows;
+    /// `invariant` (see [`CudaBackend::verify_invariant`]) splits each row as a lone one (the
+    /// kernel divides a row's keys by the launch's splits, `decode_row` in
+    /// decode_attention.cu, so each position merges the partial sums it would decoded alone)
+    /// and sends every small projection to the gemv.
+    fn decode_launch(&self, rows: usize, invariant: bool) -> (usize, usize) {
+        let (mp, bpr) = (
+            self.device.multiprocessors as usize,
+            self.attn_shape().decode_blocks_per_row(),
+        );
+        if invariant {
+            (forward::decode_splits(mp, 1, bpr), kernels::GEMV_MAX_TOKENS)
+        } else {
+            (forward::decode_splits(mp, rows, bpr), self.gemv_max_tokens)
+        }
     }
 
     /// The forward pass with steps of at most `gemv_max_tokens` tokens on the gemv.
@@ -621,22 +638,8 @@ impl CudaBackend {
                 sample_params,
             },
         )?;
-        let (mp, bpr) = (
-            self.device.multiprocessors as usize,
-            self.attn_shape().decode_blocks_per_row(),
-        );
-        let invariant = append_first && self.verify_invariant(bucket);
-        let (splits, gemv_max_tokens) = if invariant {
-            (
-                forward::verify_splits(mp, bucket, bpr),
-                kernels::GEMV_MAX_TOKENS,
-            )
-        } else {
-            (
-                forward::decode_splits(mp, bucket, bpr),
-                self.gemv_max_tokens,
-            )
-        };
+        let (splits, gemv_max_tokens) =
+            self.decode_launch(bucket, append_first && self.verify_invariant(bucket));
         // Out of `self` while replaying, so that `forward()` can borrow the rest of it.
         let mut graphs = self.graphs.take().expect("only called with graphs on");
         let forward = self.forward_with_gemv(gemv_max_tokens);
@@ -737,21 +740,7 @@ impl CudaBackend {
                     sample_params: &params,
                 },
             )?;
-            let (mp, bpr) = (
-                self.device.multiprocessors as usize,
-                self.attn_shape().decode_blocks_per_row(),
-            );
-            let (splits, gemv_max_tokens) = if invariant {
-                (
-                    forward::verify_splits(mp, layout.rows, bpr),
-                    kernels::GEMV_MAX_TOKENS,
-                )
-            } else {
-                (
-                    forward::decode_splits(mp, layout.rows, bpr),
-                    self.gemv_max_tokens,
-                )
-            };
+            let (splits, gemv_max_tokens) = self.decode_launch(layout.rows, invariant);
             let forward = self.forward_with_gemv(gemv_max_tokens);
             forward.run(
                 layout.tokens,
