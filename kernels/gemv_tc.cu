@@ -8,20 +8,31 @@
 // warp's mma.m16n8k16 multiplies the tokens (rows of A; 8 of its 16 used, absent tokens zero)
 // by a tile of 8 weight rows (columns of B), so 1 and 8 tokens cost the same instructions. The
 // engine uses it for one-token steps and verifications of up to 8 positions where speculation
-// must give the text of one token a step (`CudaOptions::exact_verify`); gemv.cu stays faster
-// for one token alone (H200, batch 1: SmolLM2 0.578 against 0.663 ms a step, 8B 4.20 against
-// 4.80).
+// must give the text of one token a step (`CudaOptions::exact_verify`). For one token alone
+// it is as fast as gemv.cu on long rows and slower on short ones, where a step is its launches
+// (H200, batch 1: 8B 4.17 against 4.19 ms a step, SmolLM2 0.633 against 0.579).
 //
-// A block owns one tile; its GEMV_TC_WARPS warps split the reduction in chunks of
-// GEMV_TC_CHUNK elements (warp w takes chunks w, w + GEMV_TC_WARPS, ...), GEMV_TC_UNROLL chunks
-// in flight, each slot refilled as soon as it is used (its weights and the lane's token's x
-// alike); the warps' partial tiles are summed through shared memory in warp order.
+// A block owns one tile; its GEMV_TC_WARPS warps split the reduction, warp w taking a
+// contiguous run of chunks of GEMV_TC_CHUNK elements (chunks · w / WARPS up to the next
+// warp's first); the warps' partial tiles are summed through shared memory in warp order.
+//
+// The weights stream through a ring of GEMV_TC_STAGES chunks a warp in shared memory
+// (cp.async, GEMV_TC_STAGES - 1 chunks in flight while one is used), so the loads in flight do
+// not cost registers: a block of 8 warps keeps 32 KB of weights coming. Each copy takes 16
+// bytes and a warp's copy instruction 128 contiguous bytes of each of 4 rows (lane l: piece
+// l % 8 of tile row 4j + l / 8 in copy j); a warp waits for its own copies, then __syncwarp
+// before reading what other lanes copied. Stored at piece ^ row, so that the fragment reads
+// (8 lanes a 128-byte phase: 2 rows, 4 pieces each) hit distinct banks. Measured on the H200,
+// 8B batch 1: the registers-only form of this kernel (each lane loading its own fragments,
+// 2 chunks in flight) 4.82 ms a step; the ring with each lane copying its own fragments
+// (64 bytes of a row an instruction) 4.67; warps on contiguous runs 4.55; these copies,
+// 4.18 (gemv.cu: 4.23). 4 stages instead of 5: 4.70.
 //
 // The mma's reduction order inside a chunk is free as long as both operands follow it, so a
-// lane's loads go straight into fragments: lane (g, q) = (lane / 4, lane % 4) holds
-// 8·GEMV_TC_LOADS contiguous elements of the chunk, from 8·GEMV_TC_LOADS·q on, for weight row g
-// and token g; each 16-byte piece feeds two mma, its elements 0..3 as k = 2q, 2q+1, 2q+8, 2q+9
-// of the first and 4..7 of the second.
+// lane's fragments are whole 16-byte pieces: lane (g, q) = (lane / 4, lane % 4) takes pieces
+// 4j + q (j = 0, 1) of the chunk, of weight row g from the ring and of token g's x from global
+// memory (in registers two chunks ahead); a piece's elements 0..3 are k = 2q, 2q+1, 2q+8, 2q+9
+// of one mma and 4..7 of the next.
 //
 // Batch invariance: a token's outputs are summed in one order whatever the token count (the
 // chunks, the mma's own order within its row, the warps in order), and the mma's row for one
@@ -30,12 +41,8 @@
 // `in` must be a multiple of GEMV_TC_CHUNK; GEMV_NORM reads the rows whole, as gemv.cu does.
 
 #define GEMV_TC_WARPS 8
-// 16-byte loads a lane makes of its row each chunk, and chunks in flight. Measured on the H200,
-// 8B batch 1: a warp reading 64 bytes of each row at a time 6.41 ms a step, 128 bytes 4.80, 256
-// bytes 4.43 (but then rows of SmolLM2's 576 do not divide); more chunks in flight was slower.
-#define GEMV_TC_LOADS 2
-#define GEMV_TC_UNROLL 2
-#define GEMV_TC_CHUNK (32 * GEMV_TC_LOADS)
+#define GEMV_TC_CHUNK 64
+#define GEMV_TC_STAGES 5
 #define GEMV_TC_TOKENS 8
 
 // The RMSNorm scale of row `t` of the f32 stream `x` (`tokens` rows), in every thread: the
@@ -71,67 +78,78 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
     // Outputs a block writes: with GLU, tile rows r and r + 4 make output r.
     constexpr u32 OUTS = GLU ? 4 : 8;
     __shared__ float partial[GEMV_TC_WARPS][GEMV_TC_TOKENS][8];
+    // Each warp's ring: [stage][tile row][16-byte piece ^ tile row].
+    __shared__ uint4 ring[GEMV_TC_STAGES][GEMV_TC_WARPS][8][8];
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
     u32 o0 = blockIdx.x * OUTS;
-    // This lane's weight row (tile row g), clamped into the matrix.
-    u64 wrow;
-    if (GLU) {
-        u32 o = min(o0 + (g & 3), out - 1);
-        wrow = g < 4 ? o : (u64)out + o;
-    } else {
-        wrow = min(o0 + g, out - 1);
-    }
-    const uint4* row = (const uint4*)(w + wrow * in);
-    u32 chunks = in / GEMV_TC_CHUNK;
-    u32 mine = chunks > warp ? (chunks - warp + GEMV_TC_WARPS - 1) / GEMV_TC_WARPS : 0;
-    bool has_token = g < tokens;
-    // GEMV_TC_UNROLL slots, each a chunk's weights and this lane's token's x (f32 and the norm's
-    // weights with NORM), refilled as soon as used: the x loads are in flight with the
-    // weights', not waited on chunk by chunk. Lane q of a row holds 16·GEMV_TC_LOADS contiguous
-    // bytes of the chunk, so a warp reads each of its rows 64·GEMV_TC_LOADS bytes at a time.
-    uint4 wv[GEMV_TC_UNROLL][GEMV_TC_LOADS], xv[GEMV_TC_UNROLL][GEMV_TC_LOADS], gv[GEMV_TC_UNROLL][GEMV_TC_LOADS];
-    float4 xf[GEMV_TC_UNROLL][GEMV_TC_LOADS][2];
-    // uint4 index of this lane's j-th load of chunk `ch` in a row.
-    auto idx = [&](u32 ch, int j) { return ch * (GEMV_TC_CHUNK / 8) + q * GEMV_TC_LOADS + j; };
-    auto load_w = [&](int u, u32 ch) {
-#pragma unroll
-        for (int j = 0; j < GEMV_TC_LOADS; ++j) wv[u][j] = __ldg(row + idx(ch, j));
+    // Tile row r's weight row, clamped into the matrix.
+    auto tile_row = [&](u32 r) -> const uint4* {
+        u64 row;
+        if (GLU) {
+            u32 o = min(o0 + (r & 3), out - 1);
+            row = r < 4 ? o : (u64)out + o;
+        } else {
+            row = min(o0 + r, out - 1);
+        }
+        return (const uint4*)(w + row * in);
     };
-    auto load_x = [&](int u, u32 ch) {
-        if (!has_token) return;
+    const uint4* copy_rows[2] = {tile_row(lane / 8), tile_row(4 + lane / 8)};
+    u32 chunks = in / GEMV_TC_CHUNK;
+    u32 first = warp * chunks / GEMV_TC_WARPS, mine = (warp + 1) * chunks / GEMV_TC_WARPS - first;
+    bool has_token = g < tokens;
+    // Starts copying this warp's i-th chunk into stage i % STAGES; one commit group a chunk,
+    // empty past the end, so that wait_group counts chunks.
+    auto copy_weights = [&](u32 i) {
+        if (i < mine) {
+            u32 piece = lane % 8, s = i % GEMV_TC_STAGES;
 #pragma unroll
-        for (int j = 0; j < GEMV_TC_LOADS; ++j) {
+            for (int j = 0; j < 2; ++j) {
+                u32 r = 4 * j + lane / 8;
+                cp_async16(&ring[s][warp][r][piece ^ r], copy_rows[j] + (first + i) * 8 + piece);
+            }
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+    // Token g's x for the warp's i-th chunk into slot u (f32 and the norm's weights with NORM).
+    uint4 xv[2][2], gv[2][2];
+    float4 xf[2][2][2];
+    auto load_x = [&](int u, u32 i) {
+        if (!has_token || i >= mine) return;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            u32 at = (first + i) * 8 + 4 * j + q;
             if (NORM) {
-                const float4* xr = (const float4*)((const float*)xp + (u64)g * in) + 2 * idx(ch, j);
+                const float4* xr = (const float4*)((const float*)xp + (u64)g * in) + 2 * at;
                 xf[u][j][0] = xr[0];
                 xf[u][j][1] = xr[1];
-                gv[u][j] = ((const uint4*)norm_w)[idx(ch, j)];
+                gv[u][j] = ((const uint4*)norm_w)[at];
             } else {
-                xv[u][j] = ((const uint4*)((const bf16*)xp + (u64)g * in))[idx(ch, j)];
+                xv[u][j] = ((const uint4*)((const bf16*)xp + (u64)g * in))[at];
             }
         }
     };
-    // The first weight loads go out before waiting for the kernel before (a programmatic
+    // The first weight copies go out before waiting for the kernel before (a programmatic
     // dependent launch): no kernel of a step writes the weights, so they stream during that
     // kernel's last blocks instead of after them. x, and y for ACCUM, only after the wait.
 #pragma unroll
-    for (int u = 0; u < GEMV_TC_UNROLL; ++u)
-        if (u < mine) load_w(u, warp + GEMV_TC_WARPS * u);
+    for (u32 i = 0; i + 1 < GEMV_TC_STAGES; ++i) copy_weights(i);
     pdl_begin();
-#pragma unroll
-    for (int u = 0; u < GEMV_TC_UNROLL; ++u)
-        if (u < mine) load_x(u, warp + GEMV_TC_WARPS * u);
+    load_x(0, 0);
+    load_x(1, 1);
     float s = NORM ? gemv_tc_norm_scale((const float*)xp, tokens, in, eps, g) : 0.f;
     float c[4] = {0.f, 0.f, 0.f, 0.f};
-    for (u32 i0 = 0; i0 < mine; i0 += GEMV_TC_UNROLL) {
+    for (u32 i0 = 0; i0 < mine; i0 += 2) {
 #pragma unroll
-        for (int u = 0; u < GEMV_TC_UNROLL; ++u) {
+        for (int u = 0; u < 2; ++u) {
             u32 i = i0 + u;
             if (i >= mine) break;
-            uint4 wc[GEMV_TC_LOADS], xc[GEMV_TC_LOADS];
+            // Chunk i is the oldest of the STAGES - 1 copied groups still counted.
+            asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_TC_STAGES - 2));
+            __syncwarp();
+            uint4 wc[2], xc[2];
 #pragma unroll
-            for (int j = 0; j < GEMV_TC_LOADS; ++j) {
-                wc[j] = wv[u][j];
+            for (int j = 0; j < 2; ++j) {
+                wc[j] = ring[i % GEMV_TC_STAGES][warp][g][(4 * j + q) ^ g];
                 xc[j] = make_uint4(0, 0, 0, 0);
                 if (has_token) {
                     if (NORM) {
@@ -147,13 +165,12 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
                     }
                 }
             }
-            if (i + GEMV_TC_UNROLL < mine) {
-                u32 next = warp + GEMV_TC_WARPS * (i + GEMV_TC_UNROLL);
-                load_w(u, next);
-                load_x(u, next);
-            }
+            load_x(u, i + 2);
+            // Into the stage chunk i - 1 used: every lane read it before this iteration's
+            // __syncwarp.
+            copy_weights(i + GEMV_TC_STAGES - 1);
 #pragma unroll
-            for (int j = 0; j < GEMV_TC_LOADS; ++j) {
+            for (int j = 0; j < 2; ++j) {
                 u32 a0[4] = {xc[j].x, 0u, xc[j].y, 0u};
                 mma_bf16(c, a0, wc[j].x, wc[j].y);
                 u32 a1[4] = {xc[j].z, 0u, xc[j].w, 0u};
@@ -161,6 +178,7 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
             }
         }
     }
+    asm volatile("cp.async.wait_group 0;");
     // c[0], c[1]: token g by tile rows 2q and 2q + 1 (c[2], c[3] are tokens 8.., none).
     partial[warp][g][2 * q] = c[0];
     partial[warp][g][2 * q + 1] = c[1];

@@ -159,9 +159,10 @@ pub struct EngineConfig {
     /// On the GPU, compute one-token steps and verifications of up to 8 positions with
     /// batch-invariant kernels, so a sequence decoding alone gets the same bits whether its
     /// tokens were verified together or decoded one a step: speculation's greedy text is then
-    /// bit for bit the text of one token a step. Unset: on exactly where
-    /// `[speculative]` is. Set it on a server without speculation to get the very text a
-    /// speculating one gives; it makes a batch-1 decode step 13–15% dearer (BENCHMARKS.md).
+    /// bit for bit the text of one token a step. Unset: on exactly where `[speculative]` is.
+    /// Set it on a server without speculation to get the very text a speculating one gives; a
+    /// batch-1 decode step then costs the same on an 8B model and 9% more on SmolLM2 (H200,
+    /// BENCHMARKS.md).
     pub batch_invariant: Option<bool>,
 }
 

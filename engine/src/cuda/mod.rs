@@ -104,9 +104,10 @@ pub struct CudaOptions {
     /// text without it): steps of at most `gemv_max_tokens` tokens, and a verification's up to
     /// [`kernels::GEMV_MAX_TOKENS`] positions, run their small projections on the tensor-core
     /// gemv (kernels/gemv_tc.cu), whose sums do not depend on the token count, and split each
-    /// position's attention as a lone row's. It costs one-token steps: on the H200 SmolLM2
-    /// 0.578 → 0.663 ms a step, the 8B shape 4.20 → 4.80 ms (BENCHMARKS.md), so by default it
-    /// is on where speculation is (`[engine] batch_invariant`).
+    /// position's attention as a lone row's. One-token steps cost what they do without it
+    /// where rows are long and more where they are short (H200: the 8B shape 4.19 → 4.17 ms
+    /// a step, SmolLM2 0.579 → 0.633; BENCHMARKS.md), so by default it is on where
+    /// speculation is (`[engine] batch_invariant`).
     pub exact_verify: bool,
     /// Launch each kernel of a step of at most `gemv_max_tokens` tokens as a programmatic
     /// dependent of the one before, where the device has it (sm_90 and newer): its blocks wait
