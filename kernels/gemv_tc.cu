@@ -9,8 +9,8 @@
 // by a tile of 8 weight rows (columns of B), so 1 and 8 tokens cost the same instructions. The
 // engine uses it for one-token steps and verifications of up to 8 positions where speculation
 // must give the text of one token a step (`CudaOptions::exact_verify`). For one token alone
-// it is as fast as gemv.cu on long rows and slower on short ones, where a step is its launches
-// (H200, batch 1: 8B 4.17 against 4.19 ms a step, SmolLM2 0.633 against 0.579).
+// it is faster than gemv.cu on long rows and slower on short ones, where a step is its
+// launches (H200, batch 1: 8B 4.05 against 4.19 ms a step, SmolLM2 0.623 against 0.579).
 //
 // A block owns one tile; its GEMV_TC_WARPS warps split the reduction, warp w taking a
 // contiguous run of chunks of GEMV_TC_CHUNK elements (chunks · w / WARPS up to the next
@@ -22,12 +22,15 @@
 // bytes and a warp's copy instruction 128 contiguous bytes of each of 4 rows (lane l: piece
 // l % 8 of tile row 4j + l / 8 in copy j); a warp waits for its own copies, then __syncwarp
 // before reading what other lanes copied. Stored at piece ^ row, so that the fragment reads
-// (8 lanes a 128-byte phase: 2 rows, 4 pieces each) hit distinct banks. Measured on the H200,
-// 8B batch 1: the registers-only form of this kernel (each lane loading its own fragments,
-// 2 chunks in flight) 4.82 ms a step; the ring with each lane copying its own fragments
-// (64 bytes of a row an instruction) 4.67; warps on contiguous runs 4.55; these copies,
-// 4.18 (gemv.cu: 4.23). 4 stages instead of 5: 4.70.
-//
+// (8 lanes a 128-byte phase: 2 rows, 4 pieces each) hit distinct banks. Without a norm the
+// tokens' x (bf16, as the weights) comes through the ring too, a row a token; with one, x is
+// f32 and is loaded into registers two chunks ahead (its norm's pass over the rows has just
+// read it). Measured on the H200, 8B batch 1, ms a decode step / a verification of 8: the
+// registers-only form (each lane loading its own fragments, 2 chunks in flight) 4.82 / 5.43;
+// a ring of each lane's own fragments (64 bytes of a row an instruction) 4.67 / 5.12; warps on
+// contiguous runs 4.55 / 5.04; these copies 4.18 / 5.16 (gemv.cu: 4.19 / —); x through the
+// ring, 4.05 / 4.91. 4 stages instead of 5: 4.70 / 5.37.
+
 // The mma's reduction order inside a chunk is free as long as both operands follow it, so a
 // lane's fragments are whole 16-byte pieces: lane (g, q) = (lane / 4, lane % 4) takes pieces
 // 4j + q (j = 0, 1) of the chunk, of weight row g from the ring and of token g's x from global
@@ -78,8 +81,15 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
     // Outputs a block writes: with GLU, tile rows r and r + 4 make output r.
     constexpr u32 OUTS = GLU ? 4 : 8;
     __shared__ float partial[GEMV_TC_WARPS][GEMV_TC_TOKENS][8];
-    // Each warp's ring: [stage][tile row][16-byte piece ^ tile row].
-    __shared__ uint4 ring[GEMV_TC_STAGES][GEMV_TC_WARPS][8][8];
+    // Each warp's ring: [stage][warp][tile row, then token with XRING][16-byte piece ^ row].
+    // Without a norm the tokens' x comes through it too (dynamic shared memory: 40 KB, and
+    // 5 KB a token for x).
+    constexpr bool XRING = !NORM;
+    u32 rrows = XRING ? 8 + tokens : 8;
+    extern __shared__ uint4 gemv_tc_ring[];
+    auto ring = [&](u32 stage, u32 warp, u32 r, u32 piece) -> uint4& {
+        return gemv_tc_ring[((stage * GEMV_TC_WARPS + warp) * rrows + r) * 8 + (piece ^ (r & 7))];
+    };
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
     u32 o0 = blockIdx.x * OUTS;
     // Tile row r's weight row, clamped into the matrix.
@@ -97,34 +107,36 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
     u32 chunks = in / GEMV_TC_CHUNK;
     u32 first = warp * chunks / GEMV_TC_WARPS, mine = (warp + 1) * chunks / GEMV_TC_WARPS - first;
     bool has_token = g < tokens;
-    // Starts copying this warp's i-th chunk into stage i % STAGES; one commit group a chunk,
-    // empty past the end, so that wait_group counts chunks.
-    auto copy_weights = [&](u32 i) {
-        if (i < mine) {
-            u32 piece = lane % 8, s = i % GEMV_TC_STAGES;
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                u32 r = 4 * j + lane / 8;
-                cp_async16(&ring[s][warp][r][piece ^ r], copy_rows[j] + (first + i) * 8 + piece);
-            }
-        }
-        asm volatile("cp.async.commit_group;");
-    };
-    // Token g's x for the warp's i-th chunk into slot u (f32 and the norm's weights with NORM).
-    uint4 xv[2][2], gv[2][2];
-    float4 xf[2][2][2];
-    auto load_x = [&](int u, u32 i) {
-        if (!has_token || i >= mine) return;
+    // Starts copying this warp's i-th chunk into stage i % STAGES: its weights, and with XRING
+    // the tokens' x. A chunk's copies make one commit group (empty past the end), so that
+    // wait_group counts chunks; the prologue's weights join the first group.
+    auto copy_chunk = [&](u32 i, bool weights, bool x) {
+        if (i >= mine) return;
+        u32 piece = lane % 8, s = i % GEMV_TC_STAGES;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-            u32 at = (first + i) * 8 + 4 * j + q;
-            if (NORM) {
+            u32 r = 4 * j + lane / 8;
+            if (weights) cp_async16(&ring(s, warp, r, piece), copy_rows[j] + (first + i) * 8 + piece);
+            if (XRING && x && r < tokens)
+                cp_async16(&ring(s, warp, 8 + r, piece),
+                           (const uint4*)((const bf16*)xp + (u64)r * in) + (first + i) * 8 + piece);
+        }
+    };
+    auto commit = [] { asm volatile("cp.async.commit_group;"); };
+    // With NORM, token g's f32 x and the norm's weights for the warp's i-th chunk into
+    // register slot u.
+    uint4 gv[2][2];
+    float4 xf[2][2][2];
+    auto load_x = [&](int u, u32 i) {
+        if constexpr (NORM) {
+            if (!has_token || i >= mine) return;
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                u32 at = (first + i) * 8 + 4 * j + q;
                 const float4* xr = (const float4*)((const float*)xp + (u64)g * in) + 2 * at;
                 xf[u][j][0] = xr[0];
                 xf[u][j][1] = xr[1];
                 gv[u][j] = ((const uint4*)norm_w)[at];
-            } else {
-                xv[u][j] = ((const uint4*)((const bf16*)xp + (u64)g * in))[at];
             }
         }
     };
@@ -132,8 +144,13 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
     // dependent launch): no kernel of a step writes the weights, so they stream during that
     // kernel's last blocks instead of after them. x, and y for ACCUM, only after the wait.
 #pragma unroll
-    for (u32 i = 0; i + 1 < GEMV_TC_STAGES; ++i) copy_weights(i);
+    for (u32 i = 0; i + 1 < GEMV_TC_STAGES; ++i) copy_chunk(i, true, false);
     pdl_begin();
+#pragma unroll
+    for (u32 i = 0; i + 1 < GEMV_TC_STAGES; ++i) {
+        copy_chunk(i, false, true);
+        commit();
+    }
     load_x(0, 0);
     load_x(1, 1);
     float s = NORM ? gemv_tc_norm_scale((const float*)xp, tokens, in, eps, g) : 0.f;
@@ -149,7 +166,7 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
             uint4 wc[2], xc[2];
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-                wc[j] = ring[i % GEMV_TC_STAGES][warp][g][(4 * j + q) ^ g];
+                wc[j] = ring(i % GEMV_TC_STAGES, warp, g, 4 * j + q);
                 xc[j] = make_uint4(0, 0, 0, 0);
                 if (has_token) {
                     if (NORM) {
@@ -161,14 +178,15 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
                         xc[j].z = pack_bf16x2((b.x * s) * gw[4], (b.y * s) * gw[5]);
                         xc[j].w = pack_bf16x2((b.z * s) * gw[6], (b.w * s) * gw[7]);
                     } else {
-                        xc[j] = xv[u][j];
+                        xc[j] = ring(i % GEMV_TC_STAGES, warp, 8 + g, 4 * j + q);
                     }
                 }
             }
             load_x(u, i + 2);
             // Into the stage chunk i - 1 used: every lane read it before this iteration's
             // __syncwarp.
-            copy_weights(i + GEMV_TC_STAGES - 1);
+            copy_chunk(i + GEMV_TC_STAGES - 1, true, true);
+            commit();
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 u32 a0[4] = {xc[j].x, 0u, xc[j].y, 0u};

@@ -231,6 +231,16 @@ impl Device {
         self.programmatic.store(on && supported, Ordering::Relaxed);
     }
 
+    /// Lets `func` take up to `bytes` of dynamic shared memory a block, leaving the split of the
+    /// unified L1 between cache and shared memory to the driver.
+    pub fn allow_dynamic_shared(&self, func: &CudaFunction, bytes: usize) -> Result<()> {
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )?;
+        Ok(())
+    }
+
     /// Lets `func` take up to `bytes` of dynamic shared memory a block.
     pub fn allow_shared(&self, func: &CudaFunction, bytes: usize) -> Result<()> {
         func.set_attribute(

@@ -145,6 +145,12 @@ pub const GEMV_TC_CHUNK: usize = 64;
 /// A [`Kernels::gemv_tc`] block: one tile of 8 weight rows (8 outputs, 4 with GLU), 8 warps.
 const GEMV_TC_TILE_ROWS: usize = 8;
 const GEMV_TC_THREADS: u32 = 256;
+/// A [`Kernels::gemv_tc`] block's ring (dynamic shared memory): gemv_tc.cu's `GEMV_TC_STAGES`
+/// (5) chunks of each of its 8 warps' 8 weight rows, 128 bytes a row, and a row for each token's
+/// x in the products without a norm.
+fn gemv_tc_ring_bytes(normed: bool, tokens: usize) -> usize {
+    5 * 8 * 128 * (8 + if normed { 0 } else { tokens })
+}
 /// The gemv kernels by what they fuse (see gemv.cu), each for at most 1, 2, 4 and 8 tokens.
 const GEMV_KERNELS: [&str; 5] = [
     "gemv",
@@ -272,8 +278,16 @@ impl Kernels {
                 .collect::<Result<_>>()?,
             gemv_tc: GEMV_KERNELS
                 .iter()
-                .map(|name| f(&name.replacen("gemv", "gemv_tc", 1)))
-                .collect::<std::result::Result<_, _>>()?,
+                .map(|name| {
+                    let function = f(&name.replacen("gemv", "gemv_tc", 1))?;
+                    let normed = name.contains("norm");
+                    device.allow_dynamic_shared(
+                        &function,
+                        gemv_tc_ring_bytes(normed, GEMV_MAX_TOKENS),
+                    )?;
+                    Ok(function)
+                })
+                .collect::<Result<_>>()?,
             rope_kv_append: f("rope_kv_append")?,
             decode_attention,
             prefill_attention,
@@ -371,7 +385,7 @@ impl Kernels {
         self.launch_gemv(
             &self.gemv[kernel][variant],
             per_block,
-            GEMV_THREADS,
+            (GEMV_THREADS, 0),
             input,
             w,
             output,
@@ -397,10 +411,11 @@ impl Kernels {
         assert!(shape.in_features.is_multiple_of(GEMV_TC_CHUNK));
         let (kernel, per_block) = gemv_kernel(input, output, GEMV_TC_TILE_ROWS);
         let function = &self.gemv_tc[kernel];
+        let ring = gemv_tc_ring_bytes(matches!(input, GemvInput::Normed { .. }), shape.tokens);
         self.launch_gemv(
             function,
             per_block,
-            GEMV_TC_THREADS,
+            (GEMV_TC_THREADS, ring as u32),
             input,
             w,
             output,
@@ -413,7 +428,7 @@ impl Kernels {
         &self,
         function: &CudaFunction,
         per_block: usize,
-        threads: u32,
+        (threads, shared_bytes): (u32, u32),
         input: GemvInput,
         w: DPtr<bf16>,
         output: GemvOutput,
@@ -442,7 +457,8 @@ impl Kernels {
             .u32(shape.in_features as u32)
             .u32(outputs as u32);
         let blocks = outputs.div_ceil(per_block) as u32;
-        self.device.launch(function, (blocks, 1, 1), threads, &args)
+        self.device
+            .launch_with_shared(function, (blocks, 1, 1), threads, shared_bytes, &args)
     }
 
     /// Bias, rotary embedding of q and k, and the append of k and v to the paged cache.
