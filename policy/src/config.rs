@@ -160,8 +160,9 @@ pub struct EngineConfig {
     /// batch-invariant kernels, so a sequence decoding alone gets the same bits whether its
     /// tokens were verified together or decoded one a step: speculation's greedy text is then
     /// bit for bit the text of one token a step. Unset: on exactly where `[speculative]` is.
-    /// Set it on a server without speculation to get the very text a speculating one gives; a
-    /// batch-1 decode step then costs the same on an 8B model and 9% more on SmolLM2 (H200,
+    /// Models of hidden size 4,096 or more decode one token a step on those kernels anyway
+    /// (they are the faster there); on a smaller model without speculation, set it to get the
+    /// very text a speculating one gives, at 8% more a batch-1 decode step on SmolLM2 (H200,
     /// BENCHMARKS.md).
     pub batch_invariant: Option<bool>,
 }

@@ -180,7 +180,8 @@ pub struct Forward<'a> {
     /// ... and only for weights of at most this many bytes.
     pub gemv_max_weight_bytes: usize,
     /// Those projections run on the tensor-core gemv, whose sums do not depend on the token
-    /// count (see [`super::CudaOptions::exact_verify`]).
+    /// count (see [`super::CudaOptions::exact_verify`] and
+    /// [`super::TENSOR_CORE_GEMV_MIN_HIDDEN`]).
     pub exact: bool,
     /// This rank's exchanges, where the model is split over several.
     pub tp: Option<TpForward<'a>>,

@@ -69,6 +69,12 @@ use weights::{GpuWeights, WeightLayout};
 /// Steps of one token use the gemv kernel: measured on an H200 (BENCHMARKS.md), it serves
 /// SmolLM2's batch-1 decode 22% faster than cuBLAS, but batches of 8 slower.
 pub const DEFAULT_GEMV_MAX_TOKENS: usize = 1;
+/// From this hidden size on, one-token steps run their small projections on the tensor-core
+/// gemv (kernels/gemv_tc.cu) even where batch invariance is not asked for: with rows this long
+/// it is the faster of the two (H200, batch 1: the 8B shape 4.05 against 4.19 ms a step), with
+/// short ones the slower (SmolLM2, hidden 576: 0.623 against 0.579). A speculating server's
+/// one-token steps then give the very bits of one that does not speculate.
+pub const TENSOR_CORE_GEMV_MIN_HIDDEN: usize = 4096;
 
 /// How to size and run the CUDA backend.
 #[derive(Debug, Clone, PartialEq)]
@@ -104,9 +110,9 @@ pub struct CudaOptions {
     /// text without it): steps of at most `gemv_max_tokens` tokens, and a verification's up to
     /// [`kernels::GEMV_MAX_TOKENS`] positions, run their small projections on the tensor-core
     /// gemv (kernels/gemv_tc.cu), whose sums do not depend on the token count, and split each
-    /// position's attention as a lone row's. One-token steps cost what they do without it
-    /// where rows are long and more where they are short (H200: the 8B shape 4.19 → 4.17 ms
-    /// a step, SmolLM2 0.579 → 0.633; BENCHMARKS.md), so by default it is on where
+    /// position's attention as a lone row's. Where rows are long one-token steps run on that
+    /// gemv anyway ([`TENSOR_CORE_GEMV_MIN_HIDDEN`]); where they are short it costs them (H200:
+    /// SmolLM2 0.579 → 0.623 ms a step; BENCHMARKS.md), so by default it is on where
     /// speculation is (`[engine] batch_invariant`).
     pub exact_verify: bool,
     /// Launch each kernel of a step of at most `gemv_max_tokens` tokens as a programmatic
@@ -219,6 +225,9 @@ pub struct CudaBackend {
     gemv_max_tokens: usize,
     gemv_max_weight_bytes: usize,
     exact_verify: bool,
+    /// Whether the small projections run on the tensor-core gemv: where `exact_verify` asks
+    /// for it, and where it is the faster one ([`TENSOR_CORE_GEMV_MIN_HIDDEN`]).
+    tensor_core_gemv: bool,
     programmatic_launch: bool,
     info: BackendInfo,
     plan: MemoryPlan,
@@ -309,11 +318,12 @@ impl CudaBackend {
         // The tensor-core gemv reads rows in chunks; a projection whose rows do not divide
         // goes to cuBLAS, whose sums depend on the token count.
         let rows = [config.hidden_size, config.q_dim(), config.intermediate_size];
-        if options.exact_verify
-            && rows
-                .iter()
-                .any(|r| !r.is_multiple_of(kernels::GEMV_TC_CHUNK))
-        {
+        let rows_divide = rows
+            .iter()
+            .all(|r| r.is_multiple_of(kernels::GEMV_TC_CHUNK));
+        let tensor_core_gemv = options.exact_verify
+            || (rows_divide && config.hidden_size >= TENSOR_CORE_GEMV_MIN_HIDDEN);
+        if options.exact_verify && !rows_divide {
             tracing::warn!(
                 "batch_invariant: rows of {rows:?} elements are not all a multiple of {}; \
                  those projections run on cuBLAS, so a verification's text may part from one \
@@ -388,6 +398,7 @@ impl CudaBackend {
             gemv_max_tokens: options.gemv_max_tokens.min(kernels::GEMV_MAX_TOKENS),
             gemv_max_weight_bytes: options.gemv_max_weight_bytes,
             exact_verify: options.exact_verify,
+            tensor_core_gemv,
             programmatic_launch: options.programmatic_launch,
             config,
             shard,
@@ -547,7 +558,7 @@ impl CudaBackend {
             page_tokens: self.info.geometry.page_tokens,
             gemv_max_tokens,
             gemv_max_weight_bytes: self.gemv_max_weight_bytes,
-            exact: self.exact_verify,
+            exact: self.tensor_core_gemv,
             tp: self.tp.as_ref().map(|tp| TpForward {
                 collective: &tp.collective,
                 logits_local: tp.logits_local.ptr(),
