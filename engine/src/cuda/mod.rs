@@ -40,6 +40,34 @@ pub mod weights;
 #[cfg(test)]
 mod kernel_tests;
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(name: &str) -> ModelConfig {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../scripts/shapes")
+            .join(name);
+        ModelConfig::from_json(&std::fs::read_to_string(&path).unwrap(), &path).unwrap()
+    }
+
+    #[test]
+    fn long_rows_take_the_tensor_core_gemv_without_being_asked() {
+        let big = shape("llama-3.1-8b.json");
+        assert_eq!(tensor_core_gemv(&big, false), (true, true));
+        let small = shape("smollm2-135m.json");
+        assert_eq!(tensor_core_gemv(&small, false), (false, true));
+        assert_eq!(tensor_core_gemv(&small, true), (true, true));
+        // Rows that do not divide into the kernel's chunks keep it off unless asked for.
+        let odd = ModelConfig {
+            intermediate_size: big.intermediate_size + 8,
+            ..big
+        };
+        assert_eq!(tensor_core_gemv(&odd, false), (false, false));
+        assert_eq!(tensor_core_gemv(&odd, true), (true, false));
+    }
+}
+
 use std::sync::Arc;
 
 use cache::{BackingId, KvGeometry, PageClone, PageCopy, Tier};
@@ -315,15 +343,9 @@ impl CudaBackend {
             dtype_bytes: 2,
         };
         let (capacity, sizes) = step_sizes(&config, options, device.multiprocessors as usize);
-        // The tensor-core gemv reads rows in chunks; a projection whose rows do not divide
-        // goes to cuBLAS, whose sums depend on the token count.
-        let rows = [config.hidden_size, config.q_dim(), config.intermediate_size];
-        let rows_divide = rows
-            .iter()
-            .all(|r| r.is_multiple_of(kernels::GEMV_TC_CHUNK));
-        let tensor_core_gemv = options.exact_verify
-            || (rows_divide && config.hidden_size >= TENSOR_CORE_GEMV_MIN_HIDDEN);
+        let (tensor_core_gemv, rows_divide) = tensor_core_gemv(&config, options.exact_verify);
         if options.exact_verify && !rows_divide {
+            let rows = [config.hidden_size, config.q_dim(), config.intermediate_size];
             tracing::warn!(
                 "batch_invariant: rows of {rows:?} elements are not all a multiple of {}; \
                  those projections run on cuBLAS, so a verification's text may part from one \
@@ -910,6 +932,20 @@ fn check_options(o: &CudaOptions) -> Result<()> {
 }
 
 /// The step capacity and workspace sizes `options` ask for.
+/// Whether a model's small projections run on the tensor-core gemv (kernels/gemv_tc.cu): where
+/// batch invariance is asked for (`exact_verify`), or where its rows are long enough to make it
+/// the faster one ([`TENSOR_CORE_GEMV_MIN_HIDDEN`]) and all divide into its chunks; and whether
+/// they all do. A projection whose rows do not divide goes to cuBLAS, whose sums depend on the
+/// token count.
+fn tensor_core_gemv(config: &ModelConfig, exact_verify: bool) -> (bool, bool) {
+    let rows = [config.hidden_size, config.q_dim(), config.intermediate_size];
+    let rows_divide = rows
+        .iter()
+        .all(|r| r.is_multiple_of(kernels::GEMV_TC_CHUNK));
+    let faster = rows_divide && config.hidden_size >= TENSOR_CORE_GEMV_MIN_HIDDEN;
+    (exact_verify || faster, rows_divide)
+}
+
 fn step_sizes(
     config: &ModelConfig,
     options: &CudaOptions,
