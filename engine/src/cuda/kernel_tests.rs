@@ -834,13 +834,15 @@ fn rotate(head: &[f64], pos: usize, inv_freq: &[f32]) -> Vec<f64> {
     out
 }
 
-/// Rotated queries of `raw` q/k/v rows (bias added), and the new k/v written into the host copy
-/// of the cache as the kernel must store them; returns the queries and the written offsets.
+/// Rotated queries of `raw` q/k/v rows (bias added), and with `store` the new k/v written into
+/// the host copy of the cache as the kernel must store them; returns the queries and the
+/// written offsets.
 fn decode_reference_inputs(
     case: &mut AttentionCase,
     raw: &[f32],
     bias: &[f32],
     inv_freq: &[f32],
+    store: bool,
 ) -> (Vec<f32>, Vec<usize>) {
     let s = case.shape;
     let (d, width) = (s.head_dim, s.qkv_width());
@@ -856,6 +858,9 @@ fn decode_reference_inputs(
             for (o, v) in q[t * width + h * d..][..d].iter_mut().zip(r) {
                 *o = v as f32;
             }
+        }
+        if !store {
+            continue;
         }
         let slot = row.pages[pos / s.page_tokens].index() * s.page_tokens + pos % s.page_tokens;
         for h in 0..s.kv_heads {
@@ -890,7 +895,7 @@ fn check_decode(shape: AttnShape, contexts: &[usize], splits: usize, with_bias: 
         .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / d as f32))
         .collect();
     let (bias_d, freq_d) = (g.upload_bf16(&bias), g.upload(&inv_freq));
-    let (q, appended) = decode_reference_inputs(&mut case, &raw, &bias, &inv_freq);
+    let (q, appended) = decode_reference_inputs(&mut case, &raw, &bias, &inv_freq, true);
     let want = case.reference(&q);
     let n = rows.len() * shape.heads;
     let (o_part, lse) = (g.poisoned(n * splits * d * 4), g.poisoned(n * splits * 4));
@@ -944,6 +949,115 @@ fn decode_attention_matches_reference() {
     check_decode(shape(8, 8, 32, 100), &[30, 333], 5, false);
     // As many splits as a launch may have, over a long row and a short one.
     check_decode(shape(32, 8, 128, 0), &[9000, 70], MAX_SPLITS, false);
+}
+
+/// Decode attention of verifications, given as (first position, width), each run as rows of
+/// one position over its sequence's pages, their keys and values in the cache already (a
+/// verification's launch, `store_kv` off): each position must come out as the reference says
+/// and with the bits it has when it is the launch's only row, which is what lets speculation
+/// give the text of one token a step.
+fn check_verification_rows(shape: AttnShape, verifications: &[(usize, usize)], splits: usize) {
+    let g = gpu(shape.head_dim);
+    let mut case = attention_case(&g, shape, verifications, 30 + splits as u64);
+    case.plan = StepPlan {
+        rows: case
+            .plan
+            .rows
+            .iter()
+            .flat_map(|row| {
+                (0..row.tokens.len()).map(|k| RowPlan {
+                    tokens: vec![1],
+                    start_pos: row.start_pos + k,
+                    pages: row.pages.clone(),
+                    logits: LogitsWanted::Last,
+                })
+            })
+            .collect(),
+    };
+    let rows = case.plan.rows.len();
+    let (d, width) = (shape.head_dim, shape.qkv_width());
+    let mut meta = meta_for(&g, shape.page_tokens, case.pool.spare_page());
+    let (raw, raw_d, out, _) = case.inputs(&g, &mut meta, 31);
+    let bias = round_bf16(&uniform(&mut rng(32), width, 0.5));
+    let inv_freq: Vec<f32> = (0..d / 2)
+        .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / d as f32))
+        .collect();
+    let (bias_d, freq_d) = (g.upload_bf16(&bias), g.upload(&inv_freq));
+    let (q, _) = decode_reference_inputs(&mut case, &raw, &bias, &inv_freq, false);
+    let want = case.reference(&q);
+    let n = rows * shape.heads;
+    let (o_part, lse) = (g.poisoned(n * splits * d * 4), g.poisoned(n * splits * 4));
+    let done = g.upload(&vec![0u32; rows * shape.decode_blocks_per_row()]);
+    let split = Splits {
+        splits,
+        o_part: o_part.ptr(),
+        lse_part: lse.ptr(),
+        done: done.ptr(),
+    };
+    let attention = |qkv: DPtr<bf16>, meta: &StepMeta, out: DPtr<bf16>| DecodeAttention {
+        qkv,
+        bias: bias_d.ptr(),
+        inv_freq: freq_d.ptr(),
+        k_cache: case.pool.cache(0, false),
+        v_cache: case.pool.cache(0, true),
+        rows: meta.buffers().rows,
+        shape,
+        out,
+        store_kv: false,
+    };
+    let what = format!("verification rows {shape:?} {verifications:?} splits {splits}");
+    let together = attention(raw_d.ptr(), &meta, out.ptr());
+    let mut got = Vec::new();
+    for run in 0..2 {
+        g.kernels.decode_attention(&together, rows, &split).unwrap();
+        got = g.download_bf16(out.ptr(), n * d);
+        assert_close(&format!("{what}, run {run}"), &got, &want, 1e-2);
+    }
+    // Each position alone: its own q/k/v row, the only row of its launch.
+    let per_row = shape.heads * d;
+    for (r, row) in case.plan.rows.iter().enumerate() {
+        let alone = StepPlan {
+            rows: vec![row.clone()],
+        };
+        meta.load(
+            &g.kernels,
+            &PackRequest {
+                plan: &alone,
+                select: LogitSelection::Wanted,
+                pad_rows_to: 0,
+                item_tokens: 0,
+                sample_params: &[],
+            },
+        )
+        .unwrap();
+        let qkv = g.upload_bf16(&raw[r * width..(r + 1) * width]);
+        let out_alone = g.poisoned(per_row * 2);
+        g.kernels
+            .decode_attention(&attention(qkv.ptr(), &meta, out_alone.ptr()), 1, &split)
+            .unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&g.download_bf16(out_alone.ptr(), per_row)),
+            bits(&got[r * per_row..(r + 1) * per_row]),
+            "{what}: position {} alone",
+            row.start_pos
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn decode_attention_gives_a_verifications_positions_their_bits_alone() {
+    // The 8B shape: page boundaries inside, a split length changing inside (position 520 is
+    // the first of 66 positions a split).
+    check_verification_rows(shape(32, 8, 128, 0), &[(512, 8), (516, 8), (14, 8)], 33);
+    check_verification_rows(shape(32, 8, 128, 0), &[(100, 3), (7000, 6), (9, 1)], 33);
+    // SmolLM2's three heads a group; a context of one token; more heads than a block holds.
+    check_verification_rows(shape(9, 3, 64, 0), &[(0, 8), (40, 8), (300, 7)], 7);
+    check_verification_rows(shape(16, 2, 64, 0), &[(70, 8), (255, 5)], 5);
+    // A sliding window: every position starts its splits elsewhere.
+    check_verification_rows(shape(8, 8, 32, 100), &[(150, 8), (20, 4)], 5);
+    check_verification_rows(shape(4, 2, 16, 0), &[(63, 8)], 1);
 }
 
 /// Prefill attention of rows of (start position, new tokens), its keys split over `splits`
