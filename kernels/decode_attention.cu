@@ -39,12 +39,16 @@
 // twice over (`DECODE_BLOCKS_PER_MULTIPROCESSOR`), so at most half of them. Measured on the
 // H200, tok/s, splits of 256 / up to 8 of 64 without that bound: SmolLM2 batch 1 × 512
 // 1,435 / 1,537, batch 8 × 512 8,032 / 8,444; 8B batch 1 × 512 226.4 / 230.8, batch 8 × 512
-// 1,664 / 1,583 (the bound keeps the last at two splits).
+// 1,664 / 1,583 (the bound keeps the last at two splits). Splits of at least 128 positions
+// rather than 64 (two whole tiles: 513 positions made 8 splits of 65, each a tile and a key)
+// changed only rows of 65 to 1,024 positions, for the better: 8B batch 1 × 512 decode 4.04 ms
+// either way, a verification of 8 there 4.93 → 4.73 ms (its 8 rows' blocks now one wave);
+// SmolLM2 batch 1 × 512 0.635 → 0.619 ms.
 #ifndef SHORT_SPLITS
 #define SHORT_SPLITS 8
 #endif
 #ifndef SHORT_SPLIT_KEYS
-#define SHORT_SPLIT_KEYS 64
+#define SHORT_SPLIT_KEYS 128
 #endif
 // Query heads per block (rows of the mma's A operand used).
 #define DECODE_GROUP 4
