@@ -135,6 +135,11 @@ struct BenchArgs {
     #[arg(long)]
     no_programmatic_launch: bool,
 
+    /// Keep cuBLAS's default algorithm for every product instead of timing cuBLASLt's
+    /// candidates for the decode steps' products at start-up.
+    #[arg(long)]
+    no_gemm_tuning: bool,
+
     /// Steps of at most this many tokens (0 to 8) project small weights through snapserve's
     /// gemv kernel instead of cuBLAS.
     #[arg(long, default_value_t = engine::cuda::DEFAULT_GEMV_MAX_TOKENS)]
@@ -905,6 +910,7 @@ fn cuda_bench_backend(
         // Verifications are timed as speculation runs them.
         exact_verify: spec.verify_width > 1,
         programmatic_launch: !args.no_programmatic_launch,
+        tune_gemms: !args.no_gemm_tuning,
         pool: PoolSize::MemoryFraction(1.0),
         device_snapshot_bytes: 0,
         ..CudaOptions::for_tokens(0, spec.max_step_tokens(), spec.max_rows())

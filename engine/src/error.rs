@@ -125,6 +125,9 @@ pub enum EngineError {
     #[error("cuBLAS: {0}")]
     Cublas(#[from] cudarc::cublas::result::CublasError),
 
+    #[error("cuBLASLt: {0}")]
+    CublasLt(#[from] cudarc::cublaslt::result::CublasError),
+
     #[error("compiling the CUDA kernels with NVRTC failed:\n{0}")]
     KernelCompile(String),
 

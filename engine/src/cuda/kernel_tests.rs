@@ -404,6 +404,38 @@ fn gemm_projects_rows_in_bf16_and_f32() {
         &want,
         1e-5,
     );
+    // The same bf16 product on the cuBLASLt algorithm tuning picks, kept whatever it costs.
+    let mut gemm = gemm;
+    let scratch = g.poisoned(tokens * outf * 2);
+    let tuned = gemm
+        .tune_keeping(
+            &g.device,
+            &[(shape, w_d.ptr())],
+            x_d.ptr(),
+            scratch.ptr(),
+            f64::NEG_INFINITY,
+        )
+        .unwrap();
+    assert!(tuned[0].kept, "no cuBLASLt candidate ran: {tuned:?}");
+    let y_lt = g.poisoned(tokens * outf * 2);
+    gemm.linear(x_d.ptr(), w_d.ptr(), y_lt.ptr(), shape)
+        .unwrap();
+    assert_close(
+        "gemm bf16 through cuBLASLt",
+        &g.download_bf16(y_lt.ptr(), tokens * outf),
+        &want,
+        4e-3,
+    );
+    // A shape tuning did not see still runs the default: the f32 logits.
+    let y32 = g.poisoned(tokens * outf * 4);
+    gemm.linear_f32(x_d.ptr(), w_d.ptr(), y32.ptr(), shape)
+        .unwrap();
+    assert_close(
+        "gemm f32 after tuning",
+        &g.download(y32.ptr(), tokens * outf),
+        &want,
+        1e-5,
+    );
 }
 
 /// The CUDA-core gemv, or the tensor-core one with `tc`.

@@ -149,6 +149,10 @@ pub struct CudaOptions {
     /// 512 1,519 / 1,534 → 1,607 / 1,609 tok/s; at batch 8 it cost 2% (8,352 / 8,336 → 8,193 /
     /// 8,171), so larger steps launch plainly.
     pub programmatic_launch: bool,
+    /// Time cuBLASLt's algorithms for the decode graphs' cuBLAS products at start-up and run
+    /// the fastest where it beats cuBLAS's default ([`gemm::Gemm::tune`]; a split model keeps
+    /// the default).
+    pub tune_gemms: bool,
 }
 
 impl CudaOptions {
@@ -192,6 +196,7 @@ impl CudaOptions {
                 .batch_invariant
                 .unwrap_or(speculative.method != SpeculativeMethod::None),
             programmatic_launch: true,
+            tune_gemms: true,
         }
     }
 
@@ -214,6 +219,7 @@ impl CudaOptions {
             gemv_max_weight_bytes: forward::GEMV_MAX_WEIGHT_BYTES,
             exact_verify: false,
             programmatic_launch: true,
+            tune_gemms: true,
         }
     }
 }
@@ -394,7 +400,7 @@ impl CudaBackend {
             vocab_size: config.vocab_size,
             max_positions: config.max_position_embeddings,
         };
-        Ok(CudaBackend {
+        let mut backend = CudaBackend {
             meta: StepMeta::new(&device, capacity, options.page_tokens, pool.spare_page())?,
             ws: Workspace::new(&device, &config, sizes)?,
             gemm: Gemm::new(&device)?,
@@ -427,7 +433,83 @@ impl CudaBackend {
             tp,
             info,
             plan,
-        })
+        };
+        if options.tune_gemms && backend.tp.is_none() {
+            backend.tune_gemms()?;
+        }
+        Ok(backend)
+    }
+
+    /// Times cuBLASLt's algorithms for the products the decode graphs run on cuBLAS (every
+    /// bucket's, on layer 0's weights) and keeps the faster ones ([`Gemm::tune`]).
+    fn tune_gemms(&mut self) -> Result<()> {
+        let c = &self.config;
+        let w = self.weights.layer(0);
+        let projections = [
+            (c.hidden_size, self.attn_shape().qkv_width(), w.wqkv),
+            (c.q_dim(), c.hidden_size, w.wo),
+            (c.hidden_size, 2 * c.intermediate_size, w.w_gate_up),
+            (c.intermediate_size, c.hidden_size, w.w_down),
+        ];
+        let max_rows = self.ws.sizes.rows.min(self.ws.sizes.logit_rows);
+        let on_cublas = |tokens: usize, in_features: usize, out_features: usize| {
+            tokens > self.gemv_max_tokens
+                || in_features * out_features * 2 > self.gemv_max_weight_bytes
+        };
+        let shapes: Vec<(gemm::Linear, DPtr<half::bf16>)> = graphs::BUCKETS
+            .iter()
+            .filter(|&&tokens| tokens <= max_rows)
+            .flat_map(|&tokens| {
+                projections
+                    .iter()
+                    .filter(move |&&(i, o, _)| on_cublas(tokens, i, o))
+                    .map(move |&(in_features, out_features, w)| {
+                        let shape = gemm::Linear {
+                            tokens,
+                            in_features,
+                            out_features,
+                        };
+                        (shape, w)
+                    })
+            })
+            .collect();
+        let Some(tokens) = shapes.iter().map(|(s, _)| s.tokens).max() else {
+            return Ok(());
+        };
+        let widest = |f: fn(&gemm::Linear) -> usize| shapes.iter().map(|(s, _)| f(s)).max();
+        let x_elems = tokens * widest(|s| s.in_features).unwrap_or(0);
+        let y_elems = tokens * widest(|s| s.out_features).unwrap_or(0);
+        let x = DeviceBuffer::alloc(&self.device, x_elems * 2, "GEMM tuning input")?;
+        let y = DeviceBuffer::alloc(&self.device, y_elems * 2, "GEMM tuning output")?;
+        let started = std::time::Instant::now();
+        let results = self.gemm.tune(&self.device, &shapes, x.ptr(), y.ptr())?;
+        let (mut default_us, mut tuned_us) = (0.0, 0.0);
+        for r in &results {
+            default_us += r.default_us;
+            tuned_us += match (r.kept, r.best_us) {
+                (true, Some(best)) => best,
+                _ => r.default_us,
+            };
+            tracing::debug!(
+                "GEMM {} x {} -> {}: default {:.1} µs, best cuBLASLt candidate {:?} µs{}",
+                r.shape.tokens,
+                r.shape.in_features,
+                r.shape.out_features,
+                r.default_us,
+                r.best_us.map(|us| (us * 10.0).round() / 10.0),
+                if r.kept { ", kept" } else { "" }
+            );
+        }
+        tracing::info!(
+            "tuned {} of {} decode products on cuBLASLt in {:.2} s: one of each together {:.0} µs \
+             with cuBLAS's default, {:.0} µs as run",
+            results.iter().filter(|r| r.kept).count(),
+            results.len(),
+            started.elapsed().as_secs_f64(),
+            default_us,
+            tuned_us
+        );
+        Ok(())
     }
 
     /// This rank's entry in its group's table, if the model is split.
