@@ -130,8 +130,7 @@ impl Tuned {
     ) -> Result<Vec<lt_sys::cublasLtMatmulAlgo_t>> {
         let pref = lt::create_matmul_pref()?;
         let workspace = WORKSPACE_BYTES;
-        let mut results =
-            vec![
+        let mut results = vec![
                 std::mem::MaybeUninit::<lt_sys::cublasLtMatmulHeuristicResult_t>::zeroed();
                 CANDIDATES
             ];
