@@ -66,6 +66,37 @@ mod tests {
         assert_eq!(tensor_core_gemv(&odd, false), (false, false));
         assert_eq!(tensor_core_gemv(&odd, true), (true, false));
     }
+
+    #[test]
+    fn start_up_tunes_the_decode_buckets_products_that_run_on_cublas() {
+        let shapes = |config: &ModelConfig, max_rows| {
+            let qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim;
+            tuned_products(config, qkv, max_rows, 1, forward::GEMV_MAX_WEIGHT_BYTES)
+                .into_iter()
+                .map(|(s, p)| (s.tokens, s.in_features, s.out_features, p))
+                .collect::<Vec<_>>()
+        };
+        // The 8B shape: every weight fits the gemv, so one-token steps tune nothing; buckets
+        // 2 to 64 tune all four projections.
+        let big = shape("llama-3.1-8b.json");
+        let got = shapes(&big, 64);
+        assert_eq!(got.len(), 6 * 4);
+        assert_eq!(got[0], (2, 4096, 6144, 0));
+        assert_eq!(got[3], (2, 14336, 4096, 3));
+        assert_eq!(got.last(), Some(&(64, 14336, 4096, 3)));
+        assert!(got.iter().all(|&(tokens, ..)| tokens > 1 && tokens <= 64));
+        // The 70B shape's MLP weights are too large for the gemv: tuned at one token too.
+        let huge = shape("llama-3.1-70b.json");
+        let one: Vec<_> = shapes(&huge, 256)
+            .into_iter()
+            .filter(|&(tokens, ..)| tokens == 1)
+            .map(|(.., p)| p)
+            .collect();
+        assert_eq!(one, [2, 3]);
+        assert_eq!(shapes(&huge, 256).len(), 2 + 8 * 4);
+        // No room for a bucket: nothing to tune.
+        assert!(shapes(&big, 0).is_empty());
+    }
 }
 
 use std::sync::Arc;
@@ -222,6 +253,41 @@ impl CudaOptions {
             tune_gemms: true,
         }
     }
+}
+
+/// The products the decode graphs run on cuBLAS, which start-up tunes ([`gemm::Gemm::tune`]):
+/// every bucket of at most `max_rows` rows by each projection (0 q/k/v, 1 output, 2 gate/up,
+/// 3 down) that the gemv does not serve.
+fn tuned_products(
+    config: &ModelConfig,
+    qkv_width: usize,
+    max_rows: usize,
+    gemv_max_tokens: usize,
+    gemv_max_weight_bytes: usize,
+) -> Vec<(gemm::Linear, usize)> {
+    let c = config;
+    let projections = [
+        (c.hidden_size, qkv_width),
+        (c.q_dim(), c.hidden_size),
+        (c.hidden_size, 2 * c.intermediate_size),
+        (c.intermediate_size, c.hidden_size),
+    ];
+    let mut products = Vec::new();
+    for &tokens in graphs::BUCKETS.iter().filter(|&&b| b <= max_rows) {
+        for (projection, &(in_features, out_features)) in projections.iter().enumerate() {
+            let on_gemv = tokens <= gemv_max_tokens
+                && in_features * out_features * 2 <= gemv_max_weight_bytes;
+            if !on_gemv {
+                let shape = gemm::Linear {
+                    tokens,
+                    in_features,
+                    out_features,
+                };
+                products.push((shape, projection));
+            }
+        }
+    }
+    products
 }
 
 /// How a verification step runs (see [`CudaBackend::verify_route`]).
@@ -443,36 +509,18 @@ impl CudaBackend {
     /// Times cuBLASLt's algorithms for the products the decode graphs run on cuBLAS (every
     /// bucket's, on layer 0's weights) and keeps the faster ones ([`Gemm::tune`]).
     fn tune_gemms(&mut self) -> Result<()> {
-        let c = &self.config;
         let w = self.weights.layer(0);
-        let projections = [
-            (c.hidden_size, self.attn_shape().qkv_width(), w.wqkv),
-            (c.q_dim(), c.hidden_size, w.wo),
-            (c.hidden_size, 2 * c.intermediate_size, w.w_gate_up),
-            (c.intermediate_size, c.hidden_size, w.w_down),
-        ];
-        let max_rows = self.ws.sizes.rows.min(self.ws.sizes.logit_rows);
-        let on_cublas = |tokens: usize, in_features: usize, out_features: usize| {
-            tokens > self.gemv_max_tokens
-                || in_features * out_features * 2 > self.gemv_max_weight_bytes
-        };
-        let shapes: Vec<(gemm::Linear, DPtr<half::bf16>)> = graphs::BUCKETS
-            .iter()
-            .filter(|&&tokens| tokens <= max_rows)
-            .flat_map(|&tokens| {
-                projections
-                    .iter()
-                    .filter(move |&&(i, o, _)| on_cublas(tokens, i, o))
-                    .map(move |&(in_features, out_features, w)| {
-                        let shape = gemm::Linear {
-                            tokens,
-                            in_features,
-                            out_features,
-                        };
-                        (shape, w)
-                    })
-            })
-            .collect();
+        let weights = [w.wqkv, w.wo, w.w_gate_up, w.w_down];
+        let shapes: Vec<(gemm::Linear, DPtr<half::bf16>)> = tuned_products(
+            &self.config,
+            self.attn_shape().qkv_width(),
+            self.ws.sizes.rows.min(self.ws.sizes.logit_rows),
+            self.gemv_max_tokens,
+            self.gemv_max_weight_bytes,
+        )
+        .into_iter()
+        .map(|(shape, projection)| (shape, weights[projection]))
+        .collect();
         let Some(tokens) = shapes.iter().map(|(s, _)| s.tokens).max() else {
             return Ok(());
         };
