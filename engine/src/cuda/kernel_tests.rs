@@ -387,24 +387,21 @@ fn gemm_projects_rows_in_bf16_and_f32() {
         in_features: inf,
         out_features: outf,
     };
-    let y16 = g.poisoned(tokens * outf * 2);
-    gemm.linear(x_d.ptr(), w_d.ptr(), y16.ptr(), shape).unwrap();
-    assert_close(
-        "gemm bf16",
-        &g.download_bf16(y16.ptr(), tokens * outf),
-        &want,
-        4e-3,
-    );
-    let y32 = g.poisoned(tokens * outf * 4);
-    gemm.linear_f32(x_d.ptr(), w_d.ptr(), y32.ptr(), shape)
-        .unwrap();
-    assert_close(
-        "gemm f32",
-        &g.download(y32.ptr(), tokens * outf),
-        &want,
-        1e-5,
-    );
-    // The same bf16 product on the cuBLASLt algorithm tuning picks, kept whatever it costs.
+    // Both products against the reference, outputs poisoned first.
+    let check = |gemm: &Gemm, after: &str| {
+        let y16 = g.poisoned(tokens * outf * 2);
+        gemm.linear(x_d.ptr(), w_d.ptr(), y16.ptr(), shape).unwrap();
+        let got = g.download_bf16(y16.ptr(), tokens * outf);
+        assert_close(&format!("gemm bf16{after}"), &got, &want, 4e-3);
+        let y32 = g.poisoned(tokens * outf * 4);
+        gemm.linear_f32(x_d.ptr(), w_d.ptr(), y32.ptr(), shape)
+            .unwrap();
+        let got = g.download(y32.ptr(), tokens * outf);
+        assert_close(&format!("gemm f32{after}"), &got, &want, 1e-5);
+    };
+    check(&gemm, "");
+    // The bf16 product on the cuBLASLt algorithm tuning picks, kept whatever it costs; the f32
+    // logits, a shape tuning did not see, still on the default.
     let mut gemm = gemm;
     let scratch = g.poisoned(tokens * outf * 2);
     let tuned = gemm
@@ -417,25 +414,7 @@ fn gemm_projects_rows_in_bf16_and_f32() {
         )
         .unwrap();
     assert!(tuned[0].kept, "no cuBLASLt candidate ran: {tuned:?}");
-    let y_lt = g.poisoned(tokens * outf * 2);
-    gemm.linear(x_d.ptr(), w_d.ptr(), y_lt.ptr(), shape)
-        .unwrap();
-    assert_close(
-        "gemm bf16 through cuBLASLt",
-        &g.download_bf16(y_lt.ptr(), tokens * outf),
-        &want,
-        4e-3,
-    );
-    // A shape tuning did not see still runs the default: the f32 logits.
-    let y32 = g.poisoned(tokens * outf * 4);
-    gemm.linear_f32(x_d.ptr(), w_d.ptr(), y32.ptr(), shape)
-        .unwrap();
-    assert_close(
-        "gemm f32 after tuning",
-        &g.download(y32.ptr(), tokens * outf),
-        &want,
-        1e-5,
-    );
+    check(&gemm, " after tuning");
 }
 
 /// The CUDA-core gemv, or the tensor-core one with `tc`.
