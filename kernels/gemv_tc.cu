@@ -29,7 +29,9 @@
 // registers-only form (each lane loading its own fragments, 2 chunks in flight) 4.82 / 5.43;
 // a ring of each lane's own fragments (64 bytes of a row an instruction) 4.67 / 5.12; warps on
 // contiguous runs 4.55 / 5.04; these copies 4.18 / 5.16 (gemv.cu: 4.19 / —); x through the
-// ring, 4.05 / 4.91. 4 stages instead of 5: 4.70 / 5.37.
+// ring, 4.05 / 4.91. 4 stages instead of 5: 4.70 / 5.37. Several tokens on tiles of 16 rows
+// (R = 2 below, 4 stages: 96 KB, two blocks a multiprocessor), the one-token step unchanged:
+// 4.03 / 4.43 (8 rows: 4.04 / 4.66; 16 rows and 3 stages: 4.03 / 4.49).
 
 // The mma's reduction order inside a chunk is free as long as both operands follow it, so a
 // lane's fragments are whole 16-byte pieces: lane (g, q) = (lane / 4, lane % 4) takes pieces
@@ -45,7 +47,7 @@
 
 #define GEMV_TC_WARPS 8
 #define GEMV_TC_CHUNK 64
-#define GEMV_TC_STAGES 5
+
 #define GEMV_TC_TOKENS 8
 
 // The RMSNorm scale of row `t` of the f32 stream `x` (`tokens` rows), in every thread: the
@@ -73,19 +75,25 @@ __device__ __forceinline__ float gemv_tc_norm_scale(const float* __restrict__ x,
     return rsqrtf(sum / (float)in + eps);
 }
 
-// grid: one block of GEMV_TC_WARPS warps per tile (8 outputs, 4 with GLU); tokens ≤ 8.
-template <int MODE>
+// grid: one block of GEMV_TC_WARPS warps per tile of 8·R weight rows (8·R outputs, 4·R with
+// GLU); tokens ≤ 8; STAGES chunks in each warp's ring. R = 2 serves several tokens: each x
+// fragment then feeds two mma, halving the x bytes read per weight byte (with 8 tokens and
+// R = 1, x through the ring is as many bytes as the weights). A token's sums are the same bits
+// whatever R and STAGES (the warps' chunks, the mma's order within a row and the warps' order
+// do not depend on them), so one-token steps and verifications agree whichever tile each uses.
+template <int MODE, int R, int STAGES>
 __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w, void* __restrict__ yp,
                      const bf16* __restrict__ norm_w, float eps, u32 tokens, u32 in, u32 out) {
     constexpr bool NORM = MODE & GEMV_NORM, GLU = MODE & GEMV_GLU, ACCUM = MODE & GEMV_ACCUM;
-    // Outputs a block writes: with GLU, tile rows r and r + 4 make output r.
-    constexpr u32 OUTS = GLU ? 4 : 8;
-    __shared__ float partial[GEMV_TC_WARPS][GEMV_TC_TOKENS][8];
+    constexpr u32 ROWS = 8 * R;
+    // Outputs a block writes: with GLU, tile rows r and r + ROWS / 2 make output r.
+    constexpr u32 OUTS = GLU ? ROWS / 2 : ROWS;
+    __shared__ float partial[GEMV_TC_WARPS][GEMV_TC_TOKENS][ROWS];
     // Each warp's ring: [stage][warp][tile row, then token with XRING][16-byte piece ^ row].
-    // Without a norm the tokens' x comes through it too (dynamic shared memory: 40 KB, and
-    // 5 KB a token for x).
+    // Without a norm the tokens' x comes through it too (dynamic shared memory: STAGES KB a
+    // tile row, as much a token for x).
     constexpr bool XRING = !NORM;
-    u32 rrows = XRING ? 8 + tokens : 8;
+    u32 rrows = XRING ? ROWS + tokens : ROWS;
     extern __shared__ uint4 gemv_tc_ring[];
     auto ring = [&](u32 stage, u32 warp, u32 r, u32 piece) -> uint4& {
         return gemv_tc_ring[((stage * GEMV_TC_WARPS + warp) * rrows + r) * 8 + (piece ^ (r & 7))];
@@ -96,14 +104,16 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
     auto tile_row = [&](u32 r) -> const uint4* {
         u64 row;
         if (GLU) {
-            u32 o = min(o0 + (r & 3), out - 1);
-            row = r < 4 ? o : (u64)out + o;
+            u32 o = min(o0 + r % OUTS, out - 1);
+            row = r < OUTS ? o : (u64)out + o;
         } else {
             row = min(o0 + r, out - 1);
         }
         return (const uint4*)(w + row * in);
     };
-    const uint4* copy_rows[2] = {tile_row(lane / 8), tile_row(4 + lane / 8)};
+    const uint4* copy_rows[2 * R];
+#pragma unroll
+    for (int j = 0; j < 2 * R; ++j) copy_rows[j] = tile_row(4 * j + lane / 8);
     u32 chunks = in / GEMV_TC_CHUNK;
     u32 first = warp * chunks / GEMV_TC_WARPS, mine = (warp + 1) * chunks / GEMV_TC_WARPS - first;
     bool has_token = g < tokens;
@@ -112,14 +122,18 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
     // wait_group counts chunks; the prologue's weights join the first group.
     auto copy_chunk = [&](u32 i, bool weights, bool x) {
         if (i >= mine) return;
-        u32 piece = lane % 8, s = i % GEMV_TC_STAGES;
+        u32 piece = lane % 8, s = i % STAGES;
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < 2 * R; ++j) {
             u32 r = 4 * j + lane / 8;
             if (weights) cp_async16(&ring(s, warp, r, piece), copy_rows[j] + (first + i) * 8 + piece);
-            if (XRING && x && r < tokens)
-                cp_async16(&ring(s, warp, 8 + r, piece),
-                           (const uint4*)((const bf16*)xp + (u64)r * in) + (first + i) * 8 + piece);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            u32 t = 4 * j + lane / 8;
+            if (XRING && x && t < tokens)
+                cp_async16(&ring(s, warp, ROWS + t, piece),
+                           (const uint4*)((const bf16*)xp + (u64)t * in) + (first + i) * 8 + piece);
         }
     };
     auto commit = [] { asm volatile("cp.async.commit_group;"); };
@@ -144,29 +158,30 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
     // dependent launch): no kernel of a step writes the weights, so they stream during that
     // kernel's last blocks instead of after them. x, and y for ACCUM, only after the wait.
 #pragma unroll
-    for (u32 i = 0; i + 1 < GEMV_TC_STAGES; ++i) copy_chunk(i, true, false);
+    for (u32 i = 0; i + 1 < STAGES; ++i) copy_chunk(i, true, false);
     pdl_begin();
 #pragma unroll
-    for (u32 i = 0; i + 1 < GEMV_TC_STAGES; ++i) {
+    for (u32 i = 0; i + 1 < STAGES; ++i) {
         copy_chunk(i, false, true);
         commit();
     }
     load_x(0, 0);
     load_x(1, 1);
     float s = NORM ? gemv_tc_norm_scale((const float*)xp, tokens, in, eps, g) : 0.f;
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    float c[R][4] = {};
     for (u32 i0 = 0; i0 < mine; i0 += 2) {
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
             u32 i = i0 + u;
             if (i >= mine) break;
             // Chunk i is the oldest of the STAGES - 1 copied groups still counted.
-            asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_TC_STAGES - 2));
+            asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2));
             __syncwarp();
-            uint4 wc[2], xc[2];
+            uint4 wc[R][2], xc[2];
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-                wc[j] = ring(i % GEMV_TC_STAGES, warp, g, 4 * j + q);
+#pragma unroll
+                for (int m = 0; m < R; ++m) wc[m][j] = ring(i % STAGES, warp, 8 * m + g, 4 * j + q);
                 xc[j] = make_uint4(0, 0, 0, 0);
                 if (has_token) {
                     if (NORM) {
@@ -178,38 +193,45 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
                         xc[j].z = pack_bf16x2((b.x * s) * gw[4], (b.y * s) * gw[5]);
                         xc[j].w = pack_bf16x2((b.z * s) * gw[6], (b.w * s) * gw[7]);
                     } else {
-                        xc[j] = ring(i % GEMV_TC_STAGES, warp, 8 + g, 4 * j + q);
+                        xc[j] = ring(i % STAGES, warp, ROWS + g, 4 * j + q);
                     }
                 }
             }
             load_x(u, i + 2);
             // Into the stage chunk i - 1 used: every lane read it before this iteration's
             // __syncwarp.
-            copy_chunk(i + GEMV_TC_STAGES - 1, true, true);
+            copy_chunk(i + STAGES - 1, true, true);
             commit();
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 u32 a0[4] = {xc[j].x, 0u, xc[j].y, 0u};
-                mma_bf16(c, a0, wc[j].x, wc[j].y);
                 u32 a1[4] = {xc[j].z, 0u, xc[j].w, 0u};
-                mma_bf16(c, a1, wc[j].z, wc[j].w);
+#pragma unroll
+                for (int m = 0; m < R; ++m) {
+                    mma_bf16(c[m], a0, wc[m][j].x, wc[m][j].y);
+                    mma_bf16(c[m], a1, wc[m][j].z, wc[m][j].w);
+                }
             }
         }
     }
     asm volatile("cp.async.wait_group 0;");
-    // c[0], c[1]: token g by tile rows 2q and 2q + 1 (c[2], c[3] are tokens 8.., none).
-    partial[warp][g][2 * q] = c[0];
-    partial[warp][g][2 * q + 1] = c[1];
+    // c[m][0], c[m][1]: token g by tile rows 8m + 2q and 8m + 2q + 1 (c[m][2], c[m][3] are
+    // tokens 8.., none).
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+        partial[warp][g][8 * m + 2 * q] = c[m][0];
+        partial[warp][g][8 * m + 2 * q + 1] = c[m][1];
+    }
     __syncthreads();
-    // Thread t·8 + r writes output r of token t, summing over the warps in order.
-    u32 t = threadIdx.x / 8, r = threadIdx.x % 8;
+    // Thread t·ROWS + r writes output r of token t, summing over the warps in order.
+    u32 t = threadIdx.x / ROWS, r = threadIdx.x % ROWS;
     if (t >= tokens || r >= OUTS || o0 + r >= out) return;
     float v[2];
 #pragma unroll
     for (int k = 0; k < (GLU ? 2 : 1); ++k) {
         v[k] = 0.f;
 #pragma unroll
-        for (int i = 0; i < GEMV_TC_WARPS; ++i) v[k] += partial[i][t][r + 4 * k];
+        for (int i = 0; i < GEMV_TC_WARPS; ++i) v[k] += partial[i][t][r + OUTS * k];
     }
     u64 at = (u64)t * out + o0 + r;
     if (GLU) {
@@ -222,14 +244,21 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
     }
 }
 
-#define GEMV_TC_ENTRY(NAME, MODE)                                                                 \
+#define GEMV_TC_ENTRY(NAME, MODE, R, STAGES)                                                      \
     extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)                                 \
         NAME(const void* x, const bf16* w, void* y, const bf16* norm_w, float eps, u32 tokens,     \
              u32 in, u32 out) {                                                                   \
-        gemv_tc<MODE>(x, w, y, norm_w, eps, tokens, in, out);                                     \
+        gemv_tc<MODE, R, STAGES>(x, w, y, norm_w, eps, tokens, in, out);                          \
     }
-GEMV_TC_ENTRY(gemv_tc, 0)
-GEMV_TC_ENTRY(gemv_tc_norm, GEMV_NORM)
-GEMV_TC_ENTRY(gemv_tc_glu, GEMV_GLU)
-GEMV_TC_ENTRY(gemv_tc_norm_glu, GEMV_NORM | GEMV_GLU)
-GEMV_TC_ENTRY(gemv_tc_accum, GEMV_ACCUM)
+// One token: tiles of 8 rows. Several: tiles of 16. GEMV_TC_STAGES and GEMV_TC_WIDE_STAGES
+// come from the host (kernels.rs), which sizes the rings.
+GEMV_TC_ENTRY(gemv_tc, 0, 1, GEMV_TC_STAGES)
+GEMV_TC_ENTRY(gemv_tc_norm, GEMV_NORM, 1, GEMV_TC_STAGES)
+GEMV_TC_ENTRY(gemv_tc_glu, GEMV_GLU, 1, GEMV_TC_STAGES)
+GEMV_TC_ENTRY(gemv_tc_norm_glu, GEMV_NORM | GEMV_GLU, 1, GEMV_TC_STAGES)
+GEMV_TC_ENTRY(gemv_tc_accum, GEMV_ACCUM, 1, GEMV_TC_STAGES)
+GEMV_TC_ENTRY(gemv_tc_wide, 0, 2, GEMV_TC_WIDE_STAGES)
+GEMV_TC_ENTRY(gemv_tc_wide_norm, GEMV_NORM, 2, GEMV_TC_WIDE_STAGES)
+GEMV_TC_ENTRY(gemv_tc_wide_glu, GEMV_GLU, 2, GEMV_TC_WIDE_STAGES)
+GEMV_TC_ENTRY(gemv_tc_wide_norm_glu, GEMV_NORM | GEMV_GLU, 2, GEMV_TC_WIDE_STAGES)
+GEMV_TC_ENTRY(gemv_tc_wide_accum, GEMV_ACCUM, 2, GEMV_TC_WIDE_STAGES)

@@ -142,14 +142,22 @@ pub const GEMV_NORM_MAX_IN: usize = 2048;
 /// [`Kernels::gemv_tc`] reads rows in chunks of this many elements (`GEMV_TC_CHUNK`): it serves
 /// only rows a multiple long.
 pub const GEMV_TC_CHUNK: usize = 64;
-/// A [`Kernels::gemv_tc`] block: one tile of 8 weight rows (8 outputs, 4 with GLU), 8 warps.
+/// A [`Kernels::gemv_tc`] block: one tile of 8 weight rows (8 outputs, 4 with GLU) for one
+/// token, of 16 for several (gemv_tc.cu's R = 2: each token's x read from shared memory feeds
+/// two tiles' products), 8 warps.
 const GEMV_TC_TILE_ROWS: usize = 8;
+const GEMV_TC_WIDE_TILE_ROWS: usize = 16;
 const GEMV_TC_THREADS: u32 = 256;
-/// A [`Kernels::gemv_tc`] block's ring (dynamic shared memory): gemv_tc.cu's `GEMV_TC_STAGES`
-/// (5) chunks of each of its 8 warps' 8 weight rows, 128 bytes a row, and a row for each token's
-/// x in the products without a norm.
-fn gemv_tc_ring_bytes(normed: bool, tokens: usize) -> usize {
-    5 * 8 * 128 * (8 + if normed { 0 } else { tokens })
+/// The chunks in a warp's ring (gemv_tc.cu's `STAGES`), defined for the kernels by
+/// [`program_source`]: for one token, and for several, whose tile rows and x rows take more
+/// shared memory a stage (4 keep two blocks a multiprocessor).
+const GEMV_TC_STAGES: usize = 5;
+const GEMV_TC_WIDE_STAGES: usize = 4;
+/// A [`Kernels::gemv_tc`] block's ring (dynamic shared memory): `stages` chunks of each of its
+/// 8 warps' `tile_rows` weight rows, 128 bytes a row, and a row for each token's x in the
+/// products without a norm.
+fn gemv_tc_ring_bytes(normed: bool, tokens: usize, tile_rows: usize, stages: usize) -> usize {
+    stages * 8 * 128 * (tile_rows + if normed { 0 } else { tokens })
 }
 /// The gemv kernels by what they fuse (see gemv.cu), each for at most 1, 2, 4 and 8 tokens.
 const GEMV_KERNELS: [&str; 5] = [
@@ -177,7 +185,7 @@ pub const KERNEL_DIR_ENV: &str = "SNAPSERVE_KERNEL_DIR";
 fn program_source() -> Result<String> {
     let dir = std::env::var_os(KERNEL_DIR_ENV).map(std::path::PathBuf::from);
     let mut program = format!(
-        "#define PREFILL_WARPS {PREFILL_WARPS}\n#define PREFILL_MTILES {PREFILL_MTILES}\n#define DECODE_FRESH_KEYS {DECODE_FRESH_KEYS}\n"
+        "#define PREFILL_WARPS {PREFILL_WARPS}\n#define PREFILL_MTILES {PREFILL_MTILES}\n#define DECODE_FRESH_KEYS {DECODE_FRESH_KEYS}\n#define GEMV_TC_STAGES {GEMV_TC_STAGES}\n#define GEMV_TC_WIDE_STAGES {GEMV_TC_WIDE_STAGES}\n"
     );
     for (name, text) in SOURCES {
         let text = match &dir {
@@ -229,8 +237,8 @@ pub struct Kernels {
     silu_mul: CudaFunction,
     /// By [`GEMV_KERNELS`], then for at most 1, 2, 4 and 8 tokens.
     gemv: Vec<[CudaFunction; 4]>,
-    /// The tensor-core gemv (gemv_tc.cu), by [`GEMV_KERNELS`].
-    gemv_tc: Vec<CudaFunction>,
+    /// The tensor-core gemv (gemv_tc.cu), by [`GEMV_KERNELS`]: tiles of 8 rows, and of 16.
+    gemv_tc: Vec<[CudaFunction; 2]>,
     rope_kv_append: CudaFunction,
     decode_attention: CudaFunction,
     prefill_attention: CudaFunction,
@@ -279,13 +287,24 @@ impl Kernels {
             gemv_tc: GEMV_KERNELS
                 .iter()
                 .map(|name| {
-                    let function = f(&name.replacen("gemv", "gemv_tc", 1))?;
                     let normed = name.contains("norm");
-                    device.allow_dynamic_shared(
-                        &function,
-                        gemv_tc_ring_bytes(normed, GEMV_MAX_TOKENS),
-                    )?;
-                    Ok(function)
+                    let narrow = f(&name.replacen("gemv", "gemv_tc", 1))?;
+                    let ring = gemv_tc_ring_bytes(
+                        normed,
+                        GEMV_MAX_TOKENS,
+                        GEMV_TC_TILE_ROWS,
+                        GEMV_TC_STAGES,
+                    );
+                    device.allow_dynamic_shared(&narrow, ring)?;
+                    let wide = f(&name.replacen("gemv", "gemv_tc_wide", 1))?;
+                    let ring = gemv_tc_ring_bytes(
+                        normed,
+                        GEMV_MAX_TOKENS,
+                        GEMV_TC_WIDE_TILE_ROWS,
+                        GEMV_TC_WIDE_STAGES,
+                    );
+                    device.allow_shared(&wide, ring)?;
+                    Ok([narrow, wide])
                 })
                 .collect::<Result<_>>()?,
             rope_kv_append: f("rope_kv_append")?,
@@ -409,11 +428,16 @@ impl Kernels {
             shape.tokens
         );
         assert!(shape.in_features.is_multiple_of(GEMV_TC_CHUNK));
-        let (kernel, per_block) = gemv_kernel(input, output, GEMV_TC_TILE_ROWS);
-        let function = &self.gemv_tc[kernel];
-        let ring = gemv_tc_ring_bytes(matches!(input, GemvInput::Normed { .. }), shape.tokens);
+        let normed = matches!(input, GemvInput::Normed { .. });
+        let (tile_rows, stages, wide) = if shape.tokens > 1 {
+            (GEMV_TC_WIDE_TILE_ROWS, GEMV_TC_WIDE_STAGES, 1)
+        } else {
+            (GEMV_TC_TILE_ROWS, GEMV_TC_STAGES, 0)
+        };
+        let (kernel, per_block) = gemv_kernel(input, output, tile_rows);
+        let ring = gemv_tc_ring_bytes(normed, shape.tokens, tile_rows, stages);
         self.launch_gemv(
-            function,
+            &self.gemv_tc[kernel][wide],
             per_block,
             (GEMV_TC_THREADS, ring as u32),
             input,
