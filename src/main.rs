@@ -950,5 +950,9 @@ fn cuda_bench_backend(
         .memory_plans()
         .iter()
         .for_each(|plan| println!("{plan}"));
+    backend
+        .start_up_notes()
+        .iter()
+        .for_each(|note| println!("{note}"));
     Ok(backend)
 }

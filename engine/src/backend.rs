@@ -310,6 +310,12 @@ pub trait Backend: Send {
         verify_on_host(self, plan, samplers, drafts)
     }
 
+    /// What the backend found while starting that a benchmark should show beside its figures
+    /// (on CUDA: what GEMM tuning kept), a line each.
+    fn start_up_notes(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Kernels the last [`Backend::step_and_sample`] launched, where the backend counted every
     /// one (on CUDA: a decode step replayed from a graph, whose nodes include cuBLAS's).
     fn last_step_kernels(&self) -> Option<usize> {

@@ -234,13 +234,18 @@ impl Gemm {
     }
 
     /// Times the default product and cuBLASLt's candidates for each of `shapes` (bf16 output)
-    /// on the given operands (`x` of at least `tokens · in` elements, `w` of `out · in`, `y` of
-    /// `tokens · out`; their values do not matter), and keeps the fastest candidate of each
-    /// shape that beats the default by [`TUNED_MIN_GAIN`]. Not while a graph is captured.
+    /// on the given operands (`x` of at least `tokens · in` elements, each of the shape's
+    /// weights `w` of `out · in`, `y` of `tokens · out`; their values do not matter), and keeps
+    /// the fastest candidate of each shape that beats the default by [`TUNED_MIN_GAIN`]. Not
+    /// while a graph is captured.
+    ///
+    /// A shape's runs go through its weights in turn (every layer's, as a step reads them): on
+    /// one layer's weights alone, matrices that fit the L2 cache (an 8B model's q/k/v
+    /// projection, 50 MB) are timed from it, which a step never gives them.
     pub fn tune(
         &mut self,
         device: &Device,
-        shapes: &[(Linear, DPtr<bf16>)],
+        shapes: &[(Linear, Vec<DPtr<bf16>>)],
         x: DPtr<bf16>,
         y: DPtr<bf16>,
     ) -> Result<Vec<TuneResult>> {
@@ -252,37 +257,42 @@ impl Gemm {
     pub fn tune_keeping(
         &mut self,
         device: &Device,
-        shapes: &[(Linear, DPtr<bf16>)],
+        shapes: &[(Linear, Vec<DPtr<bf16>>)],
         x: DPtr<bf16>,
         y: DPtr<bf16>,
         min_gain: f64,
     ) -> Result<Vec<TuneResult>> {
-        let time = |run: &dyn Fn() -> Result<()>| -> Result<f64> {
-            const WARM: usize = 2;
-            const REPS: usize = 10;
-            for _ in 0..WARM {
-                run()?;
-            }
-            device.synchronize()?;
-            let started = Instant::now();
-            for _ in 0..REPS {
-                run()?;
-            }
-            device.synchronize()?;
-            Ok(started.elapsed().as_secs_f64() * 1e6 / REPS as f64)
-        };
+        // Runs `run` on the weights in turn, from where the warm-up left off.
+        let time =
+            |weights: &[DPtr<bf16>], run: &dyn Fn(DPtr<bf16>) -> Result<()>| -> Result<f64> {
+                const WARM: usize = 2;
+                let reps = weights.len().max(10);
+                let mut next = weights.iter().cycle();
+                for w in next.by_ref().take(WARM) {
+                    run(*w)?;
+                }
+                device.synchronize()?;
+                let started = Instant::now();
+                for w in next.take(reps) {
+                    run(*w)?;
+                }
+                device.synchronize()?;
+                Ok(started.elapsed().as_secs_f64() * 1e6 / reps as f64)
+            };
         let bf16_out = cudaDataType::CUDA_R_16BF;
         let mut results = Vec::with_capacity(shapes.len());
-        for &(shape, w) in shapes {
+        for (shape, weights) in shapes {
+            let (shape, weights) = (*shape, weights.as_slice());
+            assert!(!weights.is_empty(), "no weights to tune {shape:?} on");
             let key = Key::new(shape, bf16_out);
             self.tuned.remove(&key);
-            let default_us = time(&|| self.gemm_ex(x, w, y.cast(), bf16_out, shape))?;
+            let default_us = time(weights, &|w| self.gemm_ex(x, w, y.cast(), bf16_out, shape))?;
             let mut tuned = Tuned::new(key)?;
             let mut best: Option<(f64, lt_sys::cublasLtMatmulAlgo_t)> = None;
             for algo in tuned.candidates(self.lt)? {
                 tuned.algo = algo;
                 // A candidate cuBLASLt proposes may still refuse to run: skip it.
-                let Ok(us) = time(&|| self.matmul(&tuned, x, w, y.cast())) else {
+                let Ok(us) = time(weights, &|w| self.matmul(&tuned, x, w, y.cast())) else {
                     continue;
                 };
                 if best.is_none_or(|(b, _)| us < b) {

@@ -407,7 +407,7 @@ fn gemm_projects_rows_in_bf16_and_f32() {
     let tuned = gemm
         .tune_keeping(
             &g.device,
-            &[(shape, w_d.ptr())],
+            &[(shape, vec![w_d.ptr()])],
             x_d.ptr(),
             scratch.ptr(),
             f64::NEG_INFINITY,

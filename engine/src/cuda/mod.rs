@@ -336,6 +336,8 @@ pub struct CudaBackend {
     last_replay: Option<graphs::Replay>,
     /// Kernels the last sampled step launched, where all were counted.
     last_step_kernels: Option<usize>,
+    /// What start-up's GEMM tuning found, in a line ([`CudaBackend::tune_gemms`]).
+    gemm_tuning: Option<String>,
     /// The rows of logits a step's host-sampled rows are picked from, kept between steps.
     host_logits: Vec<f32>,
     /// Grammars' bitmasks of a step, a row each, and the device buffer they go to.
@@ -473,6 +475,7 @@ impl CudaBackend {
             graphs: options.cuda_graphs.then(DecodeGraphs::default),
             last_replay: None,
             last_step_kernels: None,
+            gemm_tuning: None,
             host_logits: Vec::new(),
             host_masks: Vec::new(),
             masks: None,
@@ -507,11 +510,18 @@ impl CudaBackend {
     }
 
     /// Times cuBLASLt's algorithms for the products the decode graphs run on cuBLAS (every
-    /// bucket's, on layer 0's weights) and keeps the faster ones ([`Gemm::tune`]).
+    /// bucket's, on every layer's weights in turn) and keeps the faster ones ([`Gemm::tune`]).
     fn tune_gemms(&mut self) -> Result<()> {
-        let w = self.weights.layer(0);
-        let weights = [w.wqkv, w.wo, w.w_gate_up, w.w_down];
-        let shapes: Vec<(gemm::Linear, DPtr<half::bf16>)> = tuned_products(
+        let layers: Vec<_> = (0..self.config.num_layers)
+            .map(|l| self.weights.layer(l))
+            .collect();
+        let weights: [Vec<DPtr<half::bf16>>; 4] = [
+            layers.iter().map(|w| w.wqkv).collect(),
+            layers.iter().map(|w| w.wo).collect(),
+            layers.iter().map(|w| w.w_gate_up).collect(),
+            layers.iter().map(|w| w.w_down).collect(),
+        ];
+        let shapes: Vec<(gemm::Linear, Vec<DPtr<half::bf16>>)> = tuned_products(
             &self.config,
             self.attn_shape().qkv_width(),
             self.ws.sizes.rows.min(self.ws.sizes.logit_rows),
@@ -519,7 +529,7 @@ impl CudaBackend {
             self.gemv_max_weight_bytes,
         )
         .into_iter()
-        .map(|(shape, projection)| (shape, weights[projection]))
+        .map(|(shape, projection)| (shape, weights[projection].clone()))
         .collect();
         let Some(tokens) = shapes.iter().map(|(s, _)| s.tokens).max() else {
             return Ok(());
@@ -548,7 +558,7 @@ impl CudaBackend {
                 if r.kept { ", kept" } else { "" }
             );
         }
-        tracing::info!(
+        let summary = format!(
             "tuned {} of {} decode products on cuBLASLt in {:.2} s: one of each together {:.0} µs \
              with cuBLAS's default, {:.0} µs as run",
             results.iter().filter(|r| r.kept).count(),
@@ -557,6 +567,8 @@ impl CudaBackend {
             default_us,
             tuned_us
         );
+        tracing::info!("{summary}");
+        self.gemm_tuning = Some(summary);
         Ok(())
     }
 
@@ -1168,6 +1180,10 @@ impl Backend for CudaBackend {
 
     fn last_step_kernels(&self) -> Option<usize> {
         self.last_step_kernels
+    }
+
+    fn start_up_notes(&self) -> Vec<String> {
+        self.gemm_tuning.iter().cloned().collect()
     }
 
     fn last_step_captured(&self) -> bool {
