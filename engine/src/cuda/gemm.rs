@@ -262,23 +262,16 @@ impl Gemm {
         y: DPtr<bf16>,
         min_gain: f64,
     ) -> Result<Vec<TuneResult>> {
-        // Runs `run` on the weights in turn, from where the warm-up left off: once a layer (at
-        // least 10 runs), or as many as take ~20 ms for products that are long anyway (a
-        // prefill chunk's, bound by its arithmetic rather than by where its weights are).
+        // Runs `run` on the weights in turn, from where the warm-up left off.
         let time =
             |weights: &[DPtr<bf16>], run: &dyn Fn(DPtr<bf16>) -> Result<()>| -> Result<f64> {
                 const WARM: usize = 2;
-                const BUDGET_US: f64 = 20_000.0;
+                let reps = weights.len().max(10);
                 let mut next = weights.iter().cycle();
-                device.synchronize()?;
-                let started = Instant::now();
                 for w in next.by_ref().take(WARM) {
                     run(*w)?;
                 }
                 device.synchronize()?;
-                let warm_us = started.elapsed().as_secs_f64() * 1e6 / WARM as f64;
-                let most = weights.len().max(10);
-                let reps = ((BUDGET_US / warm_us.max(1.0)) as usize).clamp(3.min(most), most);
                 let started = Instant::now();
                 for w in next.take(reps) {
                     run(*w)?;

@@ -71,7 +71,7 @@ mod tests {
     fn start_up_tunes_the_decode_buckets_products_that_run_on_cublas() {
         let shapes = |config: &ModelConfig, max_rows| {
             let qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim;
-            tuned_products(config, qkv, max_rows, 0, 1, forward::GEMV_MAX_WEIGHT_BYTES)
+            tuned_products(config, qkv, max_rows, 1, forward::GEMV_MAX_WEIGHT_BYTES)
                 .into_iter()
                 .map(|(s, p)| (s.tokens, s.in_features, s.out_features, p))
                 .collect::<Vec<_>>()
@@ -96,20 +96,6 @@ mod tests {
         assert_eq!(shapes(&huge, 256).len(), 2 + 8 * 4);
         // No room for a bucket: nothing to tune.
         assert!(shapes(&big, 0).is_empty());
-        // A step of 8,192 tokens (a prefill chunk filling the step) adds its four products;
-        // one no larger than the largest bucket adds nothing.
-        let qkv = (big.num_heads + 2 * big.num_kv_heads) * big.head_dim;
-        let with_step = |step| {
-            tuned_products(&big, qkv, 64, step, 1, forward::GEMV_MAX_WEIGHT_BYTES)
-                .into_iter()
-                .map(|(s, p)| (s.tokens, s.in_features, s.out_features, p))
-                .collect::<Vec<_>>()
-        };
-        let got = with_step(8192);
-        assert_eq!(got.len(), 6 * 4 + 4);
-        assert_eq!(got[24], (8192, 4096, 6144, 0));
-        assert_eq!(got[27], (8192, 14336, 4096, 3));
-        assert_eq!(with_step(64).len(), 6 * 4);
     }
 }
 
@@ -269,16 +255,13 @@ impl CudaOptions {
     }
 }
 
-/// The products start-up tunes ([`gemm::Gemm::tune`]), each by projection (0 q/k/v, 1 output,
-/// 2 gate/up, 3 down): those the decode graphs run on cuBLAS (every bucket of at most
-/// `max_rows` rows, where the gemv does not serve it), and those of a step of `step_tokens`
-/// tokens, the size of a prefill chunk that fills a step (the scheduler fills steps to their
-/// token budget, so long prompts are computed in such chunks).
+/// The products the decode graphs run on cuBLAS, which start-up tunes ([`gemm::Gemm::tune`]):
+/// every bucket of at most `max_rows` rows by each projection (0 q/k/v, 1 output, 2 gate/up,
+/// 3 down) that the gemv does not serve.
 fn tuned_products(
     config: &ModelConfig,
     qkv_width: usize,
     max_rows: usize,
-    step_tokens: usize,
     gemv_max_tokens: usize,
     gemv_max_weight_bytes: usize,
 ) -> Vec<(gemm::Linear, usize)> {
@@ -302,17 +285,6 @@ fn tuned_products(
                 };
                 products.push((shape, projection));
             }
-        }
-    }
-    let largest_bucket = products.last().map_or(0, |(shape, _)| shape.tokens);
-    if step_tokens > largest_bucket.max(gemv_max_tokens) {
-        for (projection, &(in_features, out_features)) in projections.iter().enumerate() {
-            let shape = gemm::Linear {
-                tokens: step_tokens,
-                in_features,
-                out_features,
-            };
-            products.push((shape, projection));
         }
     }
     products
@@ -553,34 +525,29 @@ impl CudaBackend {
             &self.config,
             self.attn_shape().qkv_width(),
             self.ws.sizes.rows.min(self.ws.sizes.logit_rows),
-            self.ws.sizes.tokens,
             self.gemv_max_tokens,
             self.gemv_max_weight_bytes,
         )
         .into_iter()
         .map(|(shape, projection)| (shape, weights[projection].clone()))
         .collect();
-        if shapes.is_empty() {
+        let Some(tokens) = shapes.iter().map(|(s, _)| s.tokens).max() else {
             return Ok(());
-        }
-        // The operands are the step's own workspaces (their values do not matter), which hold
-        // every product's input and output: nothing is allocated after the pool took its share.
-        let c = &self.config;
-        let tokens = self.ws.sizes.tokens;
-        let x_elems = tokens * c.q_dim().max(c.intermediate_size);
-        let y_elems = tokens * self.attn_shape().qkv_width().max(2 * c.intermediate_size);
-        let fits = shapes.iter().all(|(s, _)| {
-            s.tokens * s.in_features <= x_elems && s.tokens * s.out_features <= y_elems
-        });
-        if !fits {
-            tracing::warn!("GEMM tuning skipped: a product does not fit the step's workspaces");
-            return Ok(());
-        }
+        };
+        let widest = |f: fn(&gemm::Linear) -> usize| shapes.iter().map(|(s, _)| f(s)).max();
+        let x_elems = tokens * widest(|s| s.in_features).unwrap_or(0);
+        let y_elems = tokens * widest(|s| s.out_features).unwrap_or(0);
+        let x = DeviceBuffer::alloc(&self.device, x_elems * 2, "GEMM tuning input")?;
+        let y = DeviceBuffer::alloc(&self.device, y_elems * 2, "GEMM tuning output")?;
         let started = std::time::Instant::now();
-        let results = self
-            .gemm
-            .tune(&self.device, &shapes, self.ws.narrow, self.ws.wide)?;
+        let results = self.gemm.tune(&self.device, &shapes, x.ptr(), y.ptr())?;
+        let (mut default_us, mut tuned_us) = (0.0, 0.0);
         for r in &results {
+            default_us += r.default_us;
+            tuned_us += match (r.kept, r.best_us) {
+                (true, Some(best)) => best,
+                _ => r.default_us,
+            };
             tracing::debug!(
                 "GEMM {} x {} -> {}: default {:.1} µs, best cuBLASLt candidate {:?} µs{}",
                 r.shape.tokens,
@@ -591,31 +558,14 @@ impl CudaBackend {
                 if r.kept { ", kept" } else { "" }
             );
         }
-        // The decode buckets' products and the full step's, each as a kept count and the time
-        // of one of each product with cuBLAS's default and as run.
-        let part = |step: bool| {
-            let rs: Vec<_> = results
-                .iter()
-                .filter(|r| (r.shape.tokens == tokens) == step)
-                .collect();
-            let default_us: f64 = rs.iter().map(|r| r.default_us).sum();
-            let run_us: f64 = rs
-                .iter()
-                .map(|r| match (r.kept, r.best_us) {
-                    (true, Some(best)) => best,
-                    _ => r.default_us,
-                })
-                .sum();
-            let kept = rs.iter().filter(|r| r.kept).count();
-            (kept, rs.len(), default_us, run_us)
-        };
-        let (dk, dn, dd, dr) = part(false);
-        let (sk, sn, sd, sr) = part(true);
         let summary = format!(
-            "GEMM tuning ({:.2} s): {dk} of {dn} decode products kept a cuBLASLt algorithm (one \
-             of each {dd:.0} µs with cuBLAS's default, {dr:.0} µs as run); {sk} of {sn} products \
-             of a {tokens}-token step ({sd:.0} -> {sr:.0} µs)",
+            "tuned {} of {} decode products on cuBLASLt in {:.2} s: one of each together {:.0} µs \
+             with cuBLAS's default, {:.0} µs as run",
+            results.iter().filter(|r| r.kept).count(),
+            results.len(),
             started.elapsed().as_secs_f64(),
+            default_us,
+            tuned_us
         );
         tracing::info!("{summary}");
         self.gemm_tuning = Some(summary);
