@@ -55,6 +55,22 @@ __device__ __forceinline__ void unpack8(uint4 v, float* out) {
     out[6] = bf16x2_lo(v.w); out[7] = bf16x2_hi(v.w);
 }
 
+__device__ __forceinline__ uint4 pack8(const float* v) {
+    return make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
+                      pack_bf16x2(v[6], v[7]));
+}
+
+// The rotary embedding of the pair (x, y) = (element i, element i + head_dim / 2) by the angle
+// whose cosine and sine are c and s: x·c − y·s and y·c + x·s, rounded the same way wherever a
+// kernel rotates (explicit multiply-adds, not left to the compiler's contraction), so the k a
+// prefill step appends and the k a decode step appends are the same bits.
+__device__ __forceinline__ float rope_low(float x, float y, float c, float s) {
+    return __fmaf_rn(x, c, -__fmul_rn(y, s));
+}
+__device__ __forceinline__ float rope_high(float x, float y, float c, float s) {
+    return __fmaf_rn(y, c, __fmul_rn(x, s));
+}
+
 // c += a·b on the tensor cores: a 16×16 bf16 tile (row-major fragments), b 16×8 bf16 (column
 // fragments), c 16×8 f32. Each element of c is its own row's and column's dot product: the
 // other columns of b do not change its bits.

@@ -111,13 +111,8 @@ __device__ __forceinline__ void new_head(const bf16* row, const bf16* bias, u32 
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         float other = __shfl_xor_sync(0xffffffffu, out[i], half_lanes);
-        if (!v) out[i] = low ? out[i] * cs[i] - other * sn[i] : out[i] * cs[i] + other * sn[i];
+        if (!v) out[i] = low ? rope_low(out[i], other, cs[i], sn[i]) : rope_high(other, out[i], cs[i], sn[i]);
     }
-}
-
-__device__ __forceinline__ uint4 pack8(const float* v) {
-    return make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
-                      pack_bf16x2(v[6], v[7]));
 }
 
 struct DecodeArgs {

@@ -256,15 +256,23 @@ fn silu_mul_gates() {
 #[ignore = "needs a CUDA device"]
 fn rope_rotates_q_and_appends_k_v_to_their_slots() {
     let g = gpu(64);
+    // Every head size the kernels serve (a thread takes 8 pairs: a head of 16 has one such
+    // unit a half), grouped and not.
+    for (heads, kv_heads, d) in [(6, 2, 64), (4, 4, 16), (3, 1, 32), (8, 2, 128)] {
+        rope_case(&g, heads, kv_heads, d);
+    }
+}
+
+fn rope_case(g: &Gpu, heads: usize, kv_heads: usize, d: usize) {
     let shape = AttnShape {
-        heads: 6,
-        kv_heads: 2,
-        head_dim: 64,
+        heads,
+        kv_heads,
+        head_dim: d,
         page_tokens: 16,
         window: 0,
     };
-    let (tokens, width, d, half) = (4, shape.qkv_width(), 64, 32);
-    let mut r = rng(4);
+    let (tokens, width, half) = (4, shape.qkv_width(), d / 2);
+    let mut r = rng(4 + d as u64);
     let qkv = round_bf16(&uniform(&mut r, tokens * width, 2.0));
     let bias = round_bf16(&uniform(&mut r, width, 0.5));
     let inv_freq: Vec<f32> = (0..half)
@@ -328,9 +336,9 @@ fn rope_rotates_q_and_appends_k_v_to_their_slots() {
     let got_q: Vec<f32> = (0..tokens)
         .flat_map(|t| q_all[t * width..t * width + shape.heads * d].to_vec())
         .collect();
-    assert_close("rope q", &got_q, &want_q, 4e-3);
-    assert_close("rope k", &got_k, &want_k, 4e-3);
-    assert_close("appended v", &got_v, &want_v, 4e-3);
+    assert_close(&format!("rope q, head {d}"), &got_q, &want_q, 4e-3);
+    assert_close(&format!("rope k, head {d}"), &got_k, &want_k, 4e-3);
+    assert_close(&format!("appended v, head {d}"), &got_v, &want_v, 4e-3);
     let written = tokens * shape.kv_heads * d;
     assert_eq!(
         k_all.iter().filter(|x| x.is_nan()).count(),

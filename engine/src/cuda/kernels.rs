@@ -500,9 +500,9 @@ impl Kernels {
             .u32(s.kv_heads as u32)
             .u32(s.head_dim as u32)
             .u32(a.write_q as u32);
-        // One thread per rotated pair or copied v element; a token's blocks share them.
+        // One thread per 8 rotated pairs or 8 copied v elements; a token's blocks share them.
         let q_heads = if a.write_q { s.heads } else { 0 };
-        let units = (q_heads + s.kv_heads) * s.head_dim / 2 + s.kv_heads * s.head_dim;
+        let units = ((q_heads + s.kv_heads) * s.head_dim / 2 + s.kv_heads * s.head_dim) / 8;
         let grid = (a.tokens as u32, units.div_ceil(THREADS as usize) as u32, 1);
         self.device
             .launch(&self.rope_kv_append, grid, THREADS, &args)
