@@ -332,7 +332,10 @@ impl Gemm {
         // to launch once, in a run of four test backends in one process, cause not found), the
         // product runs on cuBLAS's default, which computes the same product; reported once.
         self.matmul(tuned, x, w, y).or_else(|e| {
-            if !tuned.refused.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            if !tuned
+                .refused
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+            {
                 tracing::warn!(
                     "the tuned cuBLASLt algorithm for {s:?} did not launch ({e}); that product \
                      runs on cuBLAS's default algorithm instead"
