@@ -21,6 +21,7 @@ pub mod exchange;
 pub mod http;
 pub mod kv_pool;
 pub mod loadtest;
+mod mailbox;
 pub mod metrics;
 pub mod request;
 pub mod scheduler;

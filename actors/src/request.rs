@@ -12,9 +12,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use engine::sampling::{SamplingParams, TokenLogprobs};
 pub use engine::stop::FinishReason;
-use tokio::sync::mpsc;
 
 use crate::error::ServeError;
+use crate::mailbox;
 
 /// Identifies a request for its whole life, across preemptions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -86,7 +86,7 @@ impl StopFlag {
 #[derive(Debug)]
 pub struct RequestStream {
     pub id: RequestId,
-    pub(crate) events: mpsc::UnboundedReceiver<Delivery>,
+    pub(crate) events: mailbox::Receiver<Delivery>,
     stopped: StopFlag,
     /// Tokens of a batch not yet handed out.
     pending: std::vec::IntoIter<u32>,
@@ -106,7 +106,7 @@ pub struct Completion {
 impl RequestStream {
     pub(crate) fn new(
         id: RequestId,
-        events: mpsc::UnboundedReceiver<Delivery>,
+        events: mailbox::Receiver<Delivery>,
         stopped: StopFlag,
     ) -> Self {
         RequestStream {
@@ -140,7 +140,7 @@ impl RequestStream {
         if let Some(event) = self.next_pending() {
             return Some(event);
         }
-        let delivery = self.events.try_recv().ok()?;
+        let delivery = self.events.try_recv()?;
         Some(self.unpack(delivery))
     }
 

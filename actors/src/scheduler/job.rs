@@ -8,10 +8,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::mailbox;
 use cache::{PageId, PrefixHash, PrefixHasher, SlotHandle, SnapshotId};
 use engine::sampling::{Sampler, SamplingParams, TokenLogprobs};
 use policy::Backoff;
-use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ServeError;
 use crate::request::{Delivery, Event, FinishReason, RequestId, StopFlag, Usage};
@@ -32,7 +32,7 @@ pub(crate) struct Slot {
 #[derive(Debug)]
 pub(crate) struct Job {
     pub id: RequestId,
-    events: UnboundedSender<Delivery>,
+    events: mailbox::Sender<Delivery>,
     /// Set by the caller whose text reached a stop string.
     stopped: StopFlag,
     pub tokens: Vec<u32>,
@@ -112,7 +112,7 @@ impl Job {
         prompt: Vec<u32>,
         max_new: usize,
         sampler: Sampler,
-        events: UnboundedSender<Delivery>,
+        events: mailbox::Sender<Delivery>,
         stopped: StopFlag,
         submitted_at: Instant,
     ) -> Self {

@@ -41,7 +41,6 @@ use engine::sampling::{Sampler, SamplingParams};
 use policy::{BackoffPolicy, ReservationPolicy, StepTimeModel};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use tokio::sync::mpsc;
 
 use crate::error::ServeError;
 use crate::request::{GenerateRequest, RequestId, RequestStream, StopFlag};
@@ -316,7 +315,7 @@ impl Scheduler {
             let mut params = request.params.clone();
             params.seed = params.seed.map(|seed| seed.wrapping_add(i as u64));
             let sampler = Sampler::new(&params, &request.prompt);
-            let (events, receiver) = mpsc::unbounded_channel();
+            let (events, receiver) = crate::mailbox::channel();
             let stopped = StopFlag::default();
             let mut job = Job::new(
                 id,
