@@ -288,22 +288,16 @@ impl Kernels {
                 .iter()
                 .map(|name| {
                     let normed = name.contains("norm");
+                    let ring =
+                        |rows, stages| gemv_tc_ring_bytes(normed, GEMV_MAX_TOKENS, rows, stages);
                     let narrow = f(&name.replacen("gemv", "gemv_tc", 1))?;
-                    let ring = gemv_tc_ring_bytes(
-                        normed,
-                        GEMV_MAX_TOKENS,
-                        GEMV_TC_TILE_ROWS,
-                        GEMV_TC_STAGES,
-                    );
-                    device.allow_dynamic_shared(&narrow, ring)?;
+                    device
+                        .allow_dynamic_shared(&narrow, ring(GEMV_TC_TILE_ROWS, GEMV_TC_STAGES))?;
+                    // The wide ring (96 KB for 8 tokens) needs the largest shared-memory
+                    // carveout for two blocks a multiprocessor.
                     let wide = f(&name.replacen("gemv", "gemv_tc_wide", 1))?;
-                    let ring = gemv_tc_ring_bytes(
-                        normed,
-                        GEMV_MAX_TOKENS,
-                        GEMV_TC_WIDE_TILE_ROWS,
-                        GEMV_TC_WIDE_STAGES,
-                    );
-                    device.allow_shared(&wide, ring)?;
+                    device
+                        .allow_shared(&wide, ring(GEMV_TC_WIDE_TILE_ROWS, GEMV_TC_WIDE_STAGES))?;
                     Ok([narrow, wide])
                 })
                 .collect::<Result<_>>()?,
