@@ -27,6 +27,39 @@ __device__ __forceinline__ void pdl_begin() {
 #endif
 }
 
+// Thread block clusters (sm_90 and newer): the blocks of a cluster run at once on one GPC and
+// read each other's shared memory. A launch without a cluster is a cluster of one block.
+__device__ __forceinline__ u32 cluster_blocks() {
+#if __CUDA_ARCH__ >= 900
+    u32 n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+#else
+    return 1;
+#endif
+}
+
+// Every thread of every block of the cluster calls this: shared-memory writes before it are
+// visible to the cluster's blocks after it.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// The float at `p` in the shared memory of the cluster's block of rank `rank`.
+__device__ __forceinline__ float cluster_load(const float* p, u32 rank) {
+#if __CUDA_ARCH__ >= 900
+    u32 local = (u32)__cvta_generic_to_shared(p), remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+#else
+    return *p;
+#endif
+}
+
 __device__ __forceinline__ float bf16_to_f32(bf16 v) {
     return __uint_as_float(((u32)v) << 16);
 }

@@ -23,7 +23,9 @@
 // partial output and log-sum-exp, and the last block of a (row, head group) to finish, told by
 // an atomic counter it resets, merges them. The launch fixes the most splits (a CUDA graph
 // replays one launch shape); each row uses as many as its length warrants, at least
-// MIN_SPLIT_KEYS positions each, so one launch serves any context length.
+// MIN_SPLIT_KEYS positions each, so one launch serves any context length. A launch of few rows
+// runs in clusters (below, CLUSTER_SPLITS): a short row's splits are then one cluster's blocks,
+// which merge through each other's shared memory instead.
 
 #define DECODE_WARPS 4
 // Most splits a launch may have (the engine's MAX_SPLITS), and the fewest positions a split
@@ -65,10 +67,18 @@ struct DecodeRow {
     u32 begin;  // this split's positions
     u32 end;
     u32 used;   // splits that hold positions of this row; the others have nothing to do
+    bool in_cluster;  // the used splits are one cluster's blocks, merged in shared memory
 };
 
+// Launched in clusters (the engine does where a launch has CLUSTER_SPLITS splits or a multiple:
+// few rows), a row of at most CLUSTER_SPLITS · MIN_SPLIT_KEYS positions takes a split a tile
+// of KEY_TILE keys, up to a cluster's blocks, and the blocks merge through each other's shared
+// memory: no partial outputs through global memory, no counter, no last block's second round.
+// Every tile of the row is in flight at once. Measured on the H200 in BENCHMARKS.md.
+#define CLUSTER_SPLITS 8
+
 __device__ __forceinline__ DecodeRow decode_row(const u32* row_start_token, const u32* row_start_pos,
-                                               u32 window, u32 split, u32 splits) {
+                                               u32 window, u32 split, u32 splits, u32 cluster) {
     DecodeRow d;
     u32 r = blockIdx.z;
     d.token = row_start_token[r];
@@ -76,8 +86,13 @@ __device__ __forceinline__ DecodeRow decode_row(const u32* row_start_token, cons
     d.lo = (window != 0 && d.pos + 1 > window) ? d.pos + 1 - window : 0;
     u32 n = d.pos + 1 - d.lo;
     u32 long_splits = (n + MIN_SPLIT_KEYS - 1) / MIN_SPLIT_KEYS;
-    u32 short_splits = min(min((n + SHORT_SPLIT_KEYS - 1) / SHORT_SPLIT_KEYS, SHORT_SPLITS), splits / 2);
-    d.used = min(splits, max(long_splits, short_splits));
+    if (cluster > 1 && long_splits <= cluster) {
+        d.used = min(cluster, (n + KEY_TILE - 1) / KEY_TILE);
+    } else {
+        u32 short_splits = min(min((n + SHORT_SPLIT_KEYS - 1) / SHORT_SPLIT_KEYS, SHORT_SPLITS), splits / 2);
+        d.used = min(splits, max(long_splits, short_splits));
+    }
+    d.in_cluster = cluster > 1 && d.used > 1 && d.used <= cluster;
     u32 per = (n + d.used - 1) / d.used;
     d.begin = min(d.lo + split * per, d.pos + 1);
     d.end = min(d.begin + per, d.pos + 1);
@@ -198,9 +213,15 @@ __device__ void decode_attention(const DecodeArgs& a) {
     u32 head0 = kvh * group + chunk * DECODE_GROUP;
     u32 g = min((u32)DECODE_GROUP, group - chunk * DECODE_GROUP);
     u32 split = blockIdx.x, r = blockIdx.z;
-    DecodeRow row = decode_row(a.row_start_token, a.row_start_pos, a.window, split, a.splits);
+    u32 cluster = cluster_blocks();
+    DecodeRow row = decode_row(a.row_start_token, a.row_start_pos, a.window, split, a.splits, cluster);
     if (split >= row.used) {
         pdl_begin();
+        // A block of the merging cluster with no positions still meets its barriers.
+        if (row.in_cluster && split < cluster) {
+            cluster_sync();
+            cluster_sync();
+        }
         return;
     }
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
@@ -211,6 +232,8 @@ __device__ void decode_attention(const DecodeArgs& a) {
     // kernel stores the row's own key and value below, and a verification's k/v append (the
     // kernel before it then) writes the DECODE_FRESH_KEYS positions up to the row's. Older
     // keys were written by earlier steps, and the page table by the step's first kernel.
+    // (Copying a first tile holding the row's own position without it, and putting the new k
+    // and v into shared memory from the prologue's registers, measured no faster: BENCHMARKS.)
     u32 first_end = min(row.begin + KEY_TILE, row.end);
     bool early = first_end + DECODE_FRESH_KEYS <= row.pos + 1;
     if (early)
@@ -330,6 +353,9 @@ __device__ void decode_attention(const DecodeArgs& a) {
         for (int n = 0; n < NT; ++n) acc[n * 8] = o[n][0], acc[n * 8 + 1] = o[n][1];
     }
     __syncthreads();
+    // This split's normalized output and log-sum-exp, for the cluster's merge.
+    static_assert(D <= 128, "s_split_o holds heads of up to 128");
+    __shared__ float s_split_o[DECODE_GROUP][128], s_split_lse[DECODE_GROUP];
     for (u32 idx = threadIdx.x; idx < g * D; idx += blockDim.x) {
         u32 h = idx / D, d = idx % D;
         float mt = NEG_INF, lt = 0.f, ot = 0.f;
@@ -339,13 +365,46 @@ __device__ void decode_attention(const DecodeArgs& a) {
         }
         float o = lt > 0.f ? ot / lt : 0.f;
         u32 head = head0 + h;
-        if (row.used == 1) {
+        if (row.in_cluster) {
+            s_split_o[h][d] = o;
+            if (d == 0) s_split_lse[h] = lt > 0.f ? mt + log2f(lt) : NEG_INF;
+        } else if (row.used == 1) {
             a.out[(u64)row.token * a.heads * D + (u64)head * D + d] = f32_to_bf16(o);
         } else {
             u64 slot = ((u64)r * a.heads + head) * a.splits + split;
             a.o_part[slot * D + d] = o;
             if (d == 0) a.lse_part[slot] = lt > 0.f ? mt + log2f(lt) : NEG_INF;
         }
+    }
+    if (row.in_cluster) {
+        // The used splits are ranks 0..used-1 of this cluster (splits 0..CLUSTER_SPLITS-1 of the
+        // row): each block writes every used-th output element, weighing the splits in order.
+        cluster_sync();
+        for (u32 idx = split + row.used * threadIdx.x; idx < g * D; idx += row.used * blockDim.x) {
+            u32 h = idx / D, d = idx % D;
+            float lse[CLUSTER_SPLITS], part[CLUSTER_SPLITS], mx = NEG_INF;
+#pragma unroll
+            for (u32 s = 0; s < CLUSTER_SPLITS; ++s) {
+                if (s < row.used) {
+                    lse[s] = cluster_load(&s_split_lse[h], s);
+                    part[s] = cluster_load(&s_split_o[h][d], s);
+                    mx = fmaxf(mx, lse[s]);
+                }
+            }
+            float sum = 0.f, acc = 0.f;
+#pragma unroll
+            for (u32 s = 0; s < CLUSTER_SPLITS; ++s) {
+                if (s < row.used) {
+                    float w = lse[s] == NEG_INF ? 0.f : exp2f(lse[s] - mx);
+                    sum += w;
+                    acc += w * part[s];
+                }
+            }
+            a.out[(u64)row.token * a.heads * D + (u64)(head0 + h) * D + d] =
+                f32_to_bf16(sum > 0.f ? acc / sum : 0.f);
+        }
+        cluster_sync();  // no block leaves while another reads its shared memory
+        return;
     }
     if (row.used == 1) return;
     __threadfence();

@@ -172,12 +172,33 @@ impl Device {
         shared_bytes: u32,
         args: &Args,
     ) -> Result<()> {
+        self.launch_clustered(func, grid, block, shared_bytes, 1, args)
+    }
+
+    /// Whether the device runs thread block clusters (sm_90 and newer).
+    pub fn has_clusters(&self) -> bool {
+        self.compute_capability.0 >= 9
+    }
+
+    /// [`Device::launch_with_shared`] in clusters of `cluster` blocks along x (1: no cluster;
+    /// more needs [`Device::has_clusters`], at most 8, and a grid whose x it divides).
+    pub fn launch_clustered(
+        &self,
+        func: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared_bytes: u32,
+        cluster: u32,
+        args: &Args,
+    ) -> Result<()> {
+        debug_assert!(cluster == 1 || (self.has_clusters() && grid.0.is_multiple_of(cluster)));
         self.launches.fetch_add(1, Ordering::Relaxed);
         let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
         for (param, word) in params.iter_mut().zip(&args.words[..args.len]) {
             *param = word as *const u64 as *mut c_void;
         }
-        if !self.programmatic.load(Ordering::Relaxed) {
+        let programmatic = self.programmatic.load(Ordering::Relaxed);
+        if !programmatic && cluster == 1 {
             // SAFETY: each kernel's typed wrapper in `kernels` passes the arguments its source
             // declares, in order; every word outlives the call, which copies them.
             unsafe {
@@ -192,13 +213,27 @@ impl Device {
             }?;
             return Ok(());
         }
-        let mut attribute = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        let attribute = |id| sys::CUlaunchAttribute {
+            id,
             pad: [0; 4],
             // SAFETY: an all-zero value is a valid union; the field set is the one `id` names.
             value: unsafe { std::mem::zeroed() },
         };
-        attribute.value.programmaticStreamSerializationAllowed = 1;
+        let mut attributes = Vec::with_capacity(2);
+        if programmatic {
+            let mut a = attribute(
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            );
+            a.value.programmaticStreamSerializationAllowed = 1;
+            attributes.push(a);
+        }
+        if cluster > 1 {
+            let mut a = attribute(sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION);
+            a.value.clusterDim.x = cluster;
+            a.value.clusterDim.y = 1;
+            a.value.clusterDim.z = 1;
+            attributes.push(a);
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -208,10 +243,10 @@ impl Device {
             blockDimZ: 1,
             sharedMemBytes: shared_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attribute,
-            numAttrs: 1,
+            attrs: attributes.as_mut_ptr(),
+            numAttrs: attributes.len() as u32,
         };
-        // SAFETY: as above; `config` and its attribute outlive the call.
+        // SAFETY: as above; `config` and its attributes outlive the call.
         unsafe {
             sys::cuLaunchKernelEx(
                 &config,

@@ -493,16 +493,33 @@ enum Stream {
 /// Splits for decode attention over `rows` rows: enough blocks to fill the device
 /// [`DECODE_BLOCKS_PER_MULTIPROCESSOR`] times over, at most [`MAX_SPLITS`]. Each row uses fewer
 /// where it is short (see the kernel), so a launch shape serves every context length.
-pub fn decode_splits(multiprocessors: usize, rows: usize, blocks_per_row: usize) -> usize {
-    (DECODE_BLOCKS_PER_MULTIPROCESSOR * multiprocessors)
+///
+/// With clusters of `cluster` blocks (1: none; see [`AttnShape::decode_cluster`]), where a
+/// multiple of `cluster` is at most an eighth fewer, the launch takes that many, so that it runs
+/// in clusters and its short rows merge their splits in shared memory (see the kernel); fewer
+/// splits keep long rows within the one wave.
+pub fn decode_splits(
+    multiprocessors: usize,
+    rows: usize,
+    blocks_per_row: usize,
+    cluster: usize,
+) -> usize {
+    let splits = (DECODE_BLOCKS_PER_MULTIPROCESSOR * multiprocessors)
         .div_ceil((rows * blocks_per_row).max(1))
-        .clamp(1, MAX_SPLITS)
+        .clamp(1, MAX_SPLITS);
+    let clustered = splits / cluster * cluster;
+    if clustered > 0 && (splits - clustered) * 8 <= splits {
+        clustered
+    } else {
+        splits
+    }
 }
 
-/// The (row × split) pairs decode attention needs for any batch of at most `rows` rows.
+/// The (row × split) pairs decode attention needs for any batch of at most `rows` rows (with
+/// clusters a launch takes no more splits than without).
 pub fn decode_split_pairs(multiprocessors: usize, rows: usize, blocks_per_row: usize) -> usize {
     (1..=rows)
-        .map(|r| r * decode_splits(multiprocessors, r, blocks_per_row))
+        .map(|r| r * decode_splits(multiprocessors, r, blocks_per_row, 1))
         .max()
         .unwrap_or(0)
 }
@@ -511,7 +528,7 @@ pub fn decode_split_pairs(multiprocessors: usize, rows: usize, blocks_per_row: u
 /// [`GEMV_MAX_TOKENS`] positions, each split as a lone row is), and room for prefill's.
 pub fn split_pairs(multiprocessors: usize, rows: usize, blocks_per_row: usize) -> usize {
     decode_split_pairs(multiprocessors, rows, blocks_per_row)
-        .max(rows.min(GEMV_MAX_TOKENS) * decode_splits(multiprocessors, 1, blocks_per_row))
+        .max(rows.min(GEMV_MAX_TOKENS) * decode_splits(multiprocessors, 1, blocks_per_row, 1))
         .max(PREFILL_SPLIT_PAIRS)
 }
 
@@ -540,14 +557,21 @@ mod tests {
     #[test]
     fn decode_splits_fill_the_device_and_fit_the_workspace() {
         // An H200 (132 multiprocessors), the 8B shape (8 blocks a row).
-        assert_eq!(decode_splits(132, 1, 8), 33);
-        assert_eq!(decode_splits(132, 32, 8), 2);
-        assert_eq!(decode_splits(132, 256, 8), 1);
+        assert_eq!(decode_splits(132, 1, 8, 1), 33);
+        assert_eq!(decode_splits(132, 32, 8, 1), 2);
+        assert_eq!(decode_splits(132, 256, 8, 1), 1);
         // One KV head: as many splits as a launch may have.
-        assert_eq!(decode_splits(132, 1, 1), MAX_SPLITS);
+        assert_eq!(decode_splits(132, 1, 1, 1), MAX_SPLITS);
+        // In clusters of 8: a multiple of 8 where it is at most an eighth fewer.
+        assert_eq!(decode_splits(132, 1, 8, 8), 32);
+        assert_eq!(decode_splits(132, 4, 8, 8), 8);
+        assert_eq!(decode_splits(132, 1, 3, 8), 88);
+        assert_eq!(decode_splits(132, 3, 3, 8), 30);
         let pairs = decode_split_pairs(132, 256, 8);
         for rows in 1..=256 {
-            assert!(rows * decode_splits(132, rows, 8) <= pairs);
+            for cluster in [1, 8] {
+                assert!(rows * decode_splits(132, rows, 8, cluster) <= pairs);
+            }
         }
         assert!(pairs <= 256 + 33);
     }

@@ -970,6 +970,21 @@ fn decode_attention_matches_reference() {
     check_decode(shape(32, 8, 128, 0), &[9000, 70], MAX_SPLITS, false);
 }
 
+#[test]
+#[ignore = "needs a CUDA device"]
+fn decode_attention_merges_short_rows_in_a_cluster() {
+    // Heads of up to 64 with splits a multiple of CLUSTER_SPLITS launch in clusters: rows of
+    // at most 8 · 256 positions take a tile a split and merge in shared memory, longer ones
+    // split as before; a context of one and two positions, tile and page edges.
+    let contexts = [1, 2, 64, 65, 100, 512, 2048, 2049, 3000];
+    check_decode(shape(9, 3, 64, 0), &contexts, 88, true);
+    check_decode(shape(16, 4, 64, 0), &[1, 63, 64, 200, 513, 1500], 32, false);
+    check_decode(shape(14, 2, 64, 0), &[40, 129, 1000], 8, true);
+    check_decode(shape(4, 2, 16, 0), &[3, 90, 700], 16, false);
+    // A sliding window of 100: every row's splits start past position 0.
+    check_decode(shape(8, 8, 32, 100), &[30, 101, 333], 8, false);
+}
+
 /// Decode attention of verifications, given as (first position, width), each run as rows of
 /// one position over its sequence's pages, their keys and values in the cache already (a
 /// verification's launch, `store_kv` off): each position must come out as the reference says
@@ -1077,6 +1092,11 @@ fn decode_attention_gives_a_verifications_positions_their_bits_alone() {
     // A sliding window: every position starts its splits elsewhere.
     check_verification_rows(shape(8, 8, 32, 100), &[(150, 8), (20, 4)], 5);
     check_verification_rows(shape(4, 2, 16, 0), &[(63, 8)], 1);
+    // Launched in clusters (splits a multiple of CLUSTER_SPLITS), as batch 1 of SmolLM2 is on
+    // an H200.
+    check_verification_rows(shape(9, 3, 64, 0), &[(0, 8), (60, 8), (505, 7)], 88);
+    check_verification_rows(shape(16, 4, 64, 0), &[(512, 8), (2040, 8), (14, 8)], 32);
+    check_verification_rows(shape(8, 8, 32, 100), &[(150, 8), (20, 4)], 8);
 }
 
 /// Prefill attention of rows of (start position, new tokens), its keys split over `splits`

@@ -702,10 +702,26 @@ impl CudaBackend {
             self.device.multiprocessors as usize,
             self.attn_shape().decode_blocks_per_row(),
         );
+        let cluster = self.decode_cluster();
         if invariant {
-            (forward::decode_splits(mp, 1, bpr), kernels::GEMV_MAX_TOKENS)
+            (
+                forward::decode_splits(mp, 1, bpr, cluster),
+                kernels::GEMV_MAX_TOKENS,
+            )
         } else {
-            (forward::decode_splits(mp, rows, bpr), self.gemv_max_tokens)
+            (
+                forward::decode_splits(mp, rows, bpr, cluster),
+                self.gemv_max_tokens,
+            )
+        }
+    }
+
+    /// Blocks a decode attention cluster has on this device (1: none).
+    fn decode_cluster(&self) -> usize {
+        if self.device.has_clusters() {
+            self.attn_shape().decode_cluster()
+        } else {
+            1
         }
     }
 
@@ -774,6 +790,7 @@ impl CudaBackend {
                     multiprocessors,
                     layout.rows,
                     shape.decode_blocks_per_row(),
+                    self.decode_cluster(),
                 ),
                 append_first: false,
             }
