@@ -17,7 +17,11 @@
 // - GEMV_GLU: w is [gate; up] (2·out rows); a block takes gate rows o.. and up rows out + o..
 //   and writes silu(gate) · up, each rounded to bf16 first as `silu_mul` reads them;
 // - GEMV_ACCUM: y is the f32 residual stream; the product, rounded to bf16 as a sublayer's
-//   output is, is added to it (each element has one writer, so in place is safe).
+//   output is, is added to it (each element has one writer, so in place is safe). The element
+//   is read before waiting for the kernel before (a programmatic dependent launch), so that the
+//   sum is not one more load after the product: the kernel just before a GEMV_ACCUM gemv must
+//   not write y (it is attention, or the gate/up product and its SiLU, in every forward pass),
+//   and every kernel before that one has finished when this one starts.
 
 #define GEMV_WARPS 4
 #define GEMV_ROWS 8
@@ -90,18 +94,25 @@ __device__ void gemv(const void* __restrict__ xp, const bf16* __restrict__ w, vo
     // width further on, so a block streams contiguous 2 KB of each row at a time.
     constexpr u32 STRIDE = 32 * GEMV_WARPS;
     u32 chunks = in / 8;
-    uint4 wv[GEMV_ROWS][GEMV_UNROLL];
+    uint4 wv[GEMV_ROWS][GEMV_UNROLL], gv[GEMV_UNROLL];
     auto load = [&](u32 c0) {
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) {
             u32 c = c0 + STRIDE * u;
 #pragma unroll
             for (int r = 0; r < GEMV_ROWS; ++r) wv[r][u] = c < chunks ? __ldg(rows[r] + c) : make_uint4(0, 0, 0, 0);
+            if (NORM) gv[u] = c < chunks ? __ldg((const uint4*)norm_w + c) : make_uint4(0, 0, 0, 0);
         }
     };
+    // Thread t·OUTS + o writes output o of token t (at the end); with ACCUM it reads y there
+    // now (see the top).
+    u32 o = threadIdx.x % OUTS, t = threadIdx.x / OUTS;
+    bool writes = t < tokens && t < TOKENS && o0 + o < out;
+    u64 at = (u64)t * out + o0 + o;
+    float y_before = ACCUM && writes ? ((const float*)yp)[at] : 0.f;
     // The first loads go out before waiting for the kernel before (a programmatic dependent
-    // launch): no kernel of a step writes the weights, so they stream during that kernel's
-    // last blocks instead of after them. x, and y for ACCUM, only after the wait.
+    // launch): no kernel of a step writes the weights or the norm's, so they stream during that
+    // kernel's last blocks instead of after them. x only after the wait.
     load(warp * 32 + lane);
     pdl_begin();
     float scale[TOKENS];
@@ -118,7 +129,7 @@ __device__ void gemv(const void* __restrict__ xp, const bf16* __restrict__ w, vo
             u32 c = c0 + STRIDE * u;
             if (c >= chunks) break;
             float g[8];
-            if (NORM) unpack8(((const uint4*)norm_w)[c], g);
+            if (NORM) unpack8(gv[u], g);
 #pragma unroll
             for (int t = 0; t < TOKENS; ++t) {
                 if (t >= tokens) break;
@@ -146,8 +157,7 @@ __device__ void gemv(const void* __restrict__ xp, const bf16* __restrict__ w, vo
         }
     __syncthreads();
     // Thread t·OUTS + o writes output o of token t, summing over the warps in a fixed order.
-    u32 o = threadIdx.x % OUTS, t = threadIdx.x / OUTS;
-    if (t >= tokens || t >= TOKENS || o0 + o >= out) return;
+    if (!writes) return;
     float v[2];
 #pragma unroll
     for (int k = 0; k < (GLU ? 2 : 1); ++k) {
@@ -155,12 +165,11 @@ __device__ void gemv(const void* __restrict__ xp, const bf16* __restrict__ w, vo
 #pragma unroll
         for (int i = 0; i < GEMV_WARPS; ++i) v[k] += partial[i][o + k * OUTS][t];
     }
-    u64 at = (u64)t * out + o0 + o;
     if (GLU) {
         float gate = round_bf16(v[0]), up = round_bf16(v[1]);
         ((bf16*)yp)[at] = f32_to_bf16(gate / (1.f + expf(-gate)) * up);
     } else if (ACCUM) {
-        ((float*)yp)[at] += round_bf16(v[0]);
+        ((float*)yp)[at] = y_before + round_bf16(v[0]);
     } else {
         ((bf16*)yp)[at] = f32_to_bf16(v[0]);
     }

@@ -154,9 +154,15 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
             }
         }
     };
+    // Thread t·ROWS + r writes output r of token t (at the end); with ACCUM it reads y there
+    // before the wait, as gemv.cu does (the kernel just before never writes y).
+    u32 out_t = threadIdx.x / ROWS, out_r = threadIdx.x % ROWS;
+    bool writes = out_t < tokens && out_r < OUTS && o0 + out_r < out;
+    u64 out_at = (u64)out_t * out + o0 + out_r;
+    float y_before = ACCUM && writes ? ((const float*)yp)[out_at] : 0.f;
     // The first weight copies go out before waiting for the kernel before (a programmatic
     // dependent launch): no kernel of a step writes the weights, so they stream during that
-    // kernel's last blocks instead of after them. x, and y for ACCUM, only after the wait.
+    // kernel's last blocks instead of after them. x only after the wait.
 #pragma unroll
     for (u32 i = 0; i + 1 < STAGES; ++i) copy_chunk(i, true, false);
     pdl_begin();
@@ -223,24 +229,22 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
         partial[warp][g][8 * m + 2 * q + 1] = c[m][1];
     }
     __syncthreads();
-    // Thread t·ROWS + r writes output r of token t, summing over the warps in order.
-    u32 t = threadIdx.x / ROWS, r = threadIdx.x % ROWS;
-    if (t >= tokens || r >= OUTS || o0 + r >= out) return;
+    // Summing over the warps in order.
+    if (!writes) return;
     float v[2];
 #pragma unroll
     for (int k = 0; k < (GLU ? 2 : 1); ++k) {
         v[k] = 0.f;
 #pragma unroll
-        for (int i = 0; i < GEMV_TC_WARPS; ++i) v[k] += partial[i][t][r + OUTS * k];
+        for (int i = 0; i < GEMV_TC_WARPS; ++i) v[k] += partial[i][out_t][out_r + OUTS * k];
     }
-    u64 at = (u64)t * out + o0 + r;
     if (GLU) {
         float gate = bf16_to_f32(f32_to_bf16(v[0])), up = bf16_to_f32(f32_to_bf16(v[1]));
-        ((bf16*)yp)[at] = f32_to_bf16(gate / (1.f + expf(-gate)) * up);
+        ((bf16*)yp)[out_at] = f32_to_bf16(gate / (1.f + expf(-gate)) * up);
     } else if (ACCUM) {
-        ((float*)yp)[at] += bf16_to_f32(f32_to_bf16(v[0]));
+        ((float*)yp)[out_at] = y_before + bf16_to_f32(f32_to_bf16(v[0]));
     } else {
-        ((bf16*)yp)[at] = f32_to_bf16(v[0]);
+        ((bf16*)yp)[out_at] = f32_to_bf16(v[0]);
     }
 }
 
