@@ -6,7 +6,7 @@
 // (token, head) pairs, so grouped heads share every K and V tile. The query rows are copied into
 // shared memory once; tiles of 64 key positions are gathered from the row's pages into shared
 // memory (cp.async, zero-filled past the end), the next tile's copy in flight while the current
-// one is used; each warp runs S = Q·Kᵀ and O += P·V for its PREFILL_MTILES × 16 query rows with
+// one is used; each warp runs S = Q·Kᵀ and O += P·V for its m-tiles of 16 query rows with
 // bf16 mma.sync (fp32 accumulate, operands read from shared memory by ldmatrix, V transposed on
 // the way) and an online softmax in registers. The keys are every position the row's pages hold
 // up to the query: a restored prefix and this step's tokens alike (their K and V are appended
@@ -17,17 +17,20 @@
 // `splits` blocks (grid z). Then each block writes its normalized partial output and its
 // log2-sum-exp, and merge_attention_splits combines them into the bf16 output.
 
-// Warps of a block and the m-tiles of 16 query rows each takes: the engine defines both before
-// this file (see there what was measured). More rows a block read each K and V tile for more
-// queries; more m-tiles a warp feed each K or V fragment it reads from shared memory to more
-// products.
+// Query rows of a block, and its warps for heads of up to 64 and of 128, each warp taking
+// PREFILL_ROWS / 16 / warps m-tiles of 16 rows: the engine defines all three before this file
+// (see there what was measured). More rows a block read each K and V tile for more queries;
+// more m-tiles a warp feed each K or V fragment it reads from shared memory to more products.
+#ifndef PREFILL_ROWS
+#define PREFILL_ROWS 128
+#endif
 #ifndef PREFILL_WARPS
 #define PREFILL_WARPS 8
 #endif
-#ifndef PREFILL_MTILES
-#define PREFILL_MTILES 1
+#ifndef PREFILL_WIDE_WARPS
+#define PREFILL_WIDE_WARPS 4
 #endif
-#define PREFILL_ROWS (PREFILL_WARPS * 16 * PREFILL_MTILES)
+#define PREFILL_WARPS_FOR(D) ((D) >= 128 ? PREFILL_WIDE_WARPS : PREFILL_WARPS)
 #define KEY_TILE 64
 // K and V tiles in flight: the kernel's dynamic shared memory is the query rows and
 // PREFILL_STAGES · 2 tiles of KEY_TILE × (D + 8) bf16 (the engine's prefill_shared_bytes; decode
@@ -35,7 +38,8 @@
 #define PREFILL_STAGES 2
 // Blocks a multiprocessor must be able to hold: two of 8 warps cap a thread at 128 registers
 // (the kernel wants ~140 unbounded, which would hold one, 8 warps a multiprocessor: the warps
-// then wait on their own mma and exp2 latencies).
+// then wait on their own mma and exp2 latencies); two of 4 warps with two m-tiles each (heads
+// of 128), at 255.
 #ifndef PREFILL_MIN_BLOCKS
 #define PREFILL_MIN_BLOCKS 2
 #endif
@@ -314,7 +318,9 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
                                   u32 heads, u32 kv_heads, u32 page_tokens, u32 window,
                                   float scale_log2, bf16* __restrict__ out, u32 splits,
                                   float* __restrict__ o_part, float* __restrict__ lse_part) {
-    constexpr int MT = PREFILL_MTILES, STRIDE = D + 8, NT = D / 8, TILE = KEY_TILE * STRIDE;
+    constexpr int WARPS = PREFILL_WARPS_FOR(D), MT = PREFILL_ROWS / (16 * WARPS);
+    static_assert(MT * 16 * WARPS == PREFILL_ROWS, "the warps' m-tiles cover the block's rows");
+    constexpr int STRIDE = D + 8, NT = D / 8, TILE = KEY_TILE * STRIDE;
     // [Q: PREFILL_ROWS rows][stage][K, V][TILE]
     extern __shared__ __align__(16) bf16 prefill_tiles[];
     bf16* q_tile = prefill_tiles;
@@ -360,7 +366,7 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
     u32 n_tiles = keys_end > keys_begin ? (keys_end - keys_begin + KEY_TILE - 1) / KEY_TILE : 0;
     if (n_tiles > 0) {
         issue_q_tile<D>(q_tile, qkv, qkv_stride, g, n_tok, first_token, head0);
-        issue_kv_tile<D, PREFILL_WARPS * 32>(kv_tiles, kv_tiles + TILE, k_cache, v_cache, table,
+        issue_kv_tile<D, WARPS * 32>(kv_tiles, kv_tiles + TILE, k_cache, v_cache, table,
                                              page_tokens, kv_heads, kvh, keys_begin, last_pos);
     }
     const bf16* qs = q_tile + warp * MT * 16 * STRIDE;
@@ -372,7 +378,7 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, u32 qkv_stride,
         // which every warp has left (the barrier at its end).
         if (t + 1 < n_tiles) {
             bf16* next = kv_tiles + ((t + 1) % PREFILL_STAGES) * 2 * TILE;
-            issue_kv_tile<D, PREFILL_WARPS * 32>(next, next + TILE, k_cache, v_cache, table,
+            issue_kv_tile<D, WARPS * 32>(next, next + TILE, k_cache, v_cache, table,
                                                  page_tokens, kv_heads, kvh, k0 + KEY_TILE, last_pos);
             asm volatile("cp.async.wait_group 1;");
         } else {
@@ -437,7 +443,7 @@ extern "C" __global__ void merge_attention_splits(const float* __restrict__ o_pa
 }
 
 #define PREFILL_ENTRY(D)                                                                          \
-    extern "C" __global__ void __launch_bounds__(PREFILL_WARPS * 32, PREFILL_MIN_BLOCKS)          \
+    extern "C" __global__ void __launch_bounds__(PREFILL_WARPS_FOR(D) * 32, PREFILL_MIN_BLOCKS)   \
         prefill_attention_d##D(const bf16* qkv, u32 qkv_stride, const bf16* k_cache,              \
                                const bf16* v_cache, const u32* page_table, u32 table_stride,      \
                                const u32* row_start_token, const u32* row_start_pos,              \

@@ -61,21 +61,36 @@ const SOURCES: [(&str, &str); 14] = [
 /// Head dimensions the attention kernels are instantiated for.
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
-/// Warps of one prefill attention block (`PREFILL_WARPS`), the m-tiles of 16 query rows each
-/// takes (`PREFILL_MTILES`), both defined for the kernels by [`program_source`], and its query
-/// rows (token × head pairs). Measured on the H200, 8B shape, an 8,192-token prompt (1,024 in
-/// brackets), tok/s, query rows in shared memory and work items longest first: 4 warps × 2
-/// m-tiles 29,838 (40,391); 8 × 1, two blocks a multiprocessor 30,515 (41,925); the 4 × 1 of
-/// before, query rows in registers, 27,350–27,810 (39,480–40,031).
+/// Query rows (token × head pairs) of one prefill attention block (`PREFILL_ROWS`), and its
+/// warps for heads of up to 64 (`PREFILL_WARPS`: one m-tile of 16 rows each) and of 128
+/// (`PREFILL_WIDE_WARPS`: two m-tiles each, so that every K and V fragment a warp reads from
+/// shared memory feeds twice the products; ncu put that traffic at 71% of the L1's throughput
+/// with one m-tile a warp, the tensor pipe at 42%), all defined for the kernels by
+/// [`program_source`]. Measured on the H200, tok/s, 8,192-token prompt (1,024 in brackets),
+/// 2026-12-04, three rounds: 8B shape with 8 warps × 1 m-tile 33,862 / 33,930 / 33,765 (43,352 /
+/// 43,314 / 43,924), 4 × 2 34,935 / 34,541 / 34,922 (45,544 / 43,830 / 45,410), 8 × 2 (256 rows,
+/// one block a multiprocessor) 34,889 / 34,907 / 34,788 (44,985 / 43,448 / 43,383); the SmolLM2
+/// shape (heads of 64) 429,756 (429,821) with 8 × 1, 401,926 (401,168) with 4 × 2, 383,237
+/// (359,451) with 8 × 2. Before (2026-11), 8B: 4 × 2 29,838 (40,391); 8 × 1 30,515 (41,925); the
+/// 4 × 1 of before, query rows in registers, 27,350–27,810 (39,480–40,031).
+const PREFILL_ROWS: usize = 128;
 const PREFILL_WARPS: usize = 8;
+const PREFILL_WIDE_WARPS: usize = 4;
 /// The most positions of one sequence a step writes before its decode attention runs (a
 /// verified token and its draft, appended by the kernel before): decode attention copies
 /// older keys before waiting for that kernel (`DECODE_FRESH_KEYS` in the kernels), so a
 /// verification of more positions is not run as decode rows.
 pub const DECODE_FRESH_KEYS: usize = 8;
-const PREFILL_MTILES: usize = 1;
-const PREFILL_ROWS: usize = PREFILL_WARPS * 16 * PREFILL_MTILES;
-const PREFILL_THREADS: u32 = (PREFILL_WARPS * 32) as u32;
+
+/// Threads of a prefill attention block for heads of `head_dim`.
+fn prefill_threads(head_dim: usize) -> u32 {
+    let warps = if head_dim >= 128 {
+        PREFILL_WIDE_WARPS
+    } else {
+        PREFILL_WARPS
+    };
+    (warps * 32) as u32
+}
 
 /// Decode attention launches whose splits are a multiple of this run in clusters of this many
 /// blocks (where [`AttnShape::decode_cluster`] says), and a row short enough to take at most
@@ -191,7 +206,7 @@ pub const KERNEL_DIR_ENV: &str = "SNAPSERVE_KERNEL_DIR";
 fn program_source() -> Result<String> {
     let dir = std::env::var_os(KERNEL_DIR_ENV).map(std::path::PathBuf::from);
     let mut program = format!(
-        "#define PREFILL_WARPS {PREFILL_WARPS}\n#define PREFILL_MTILES {PREFILL_MTILES}\n#define DECODE_FRESH_KEYS {DECODE_FRESH_KEYS}\n#define GEMV_TC_STAGES {GEMV_TC_STAGES}\n#define GEMV_TC_WIDE_STAGES {GEMV_TC_WIDE_STAGES}\n"
+        "#define PREFILL_ROWS {PREFILL_ROWS}\n#define PREFILL_WARPS {PREFILL_WARPS}\n#define PREFILL_WIDE_WARPS {PREFILL_WIDE_WARPS}\n#define DECODE_FRESH_KEYS {DECODE_FRESH_KEYS}\n#define GEMV_TC_STAGES {GEMV_TC_STAGES}\n#define GEMV_TC_WIDE_STAGES {GEMV_TC_WIDE_STAGES}\n"
     );
     for (name, text) in SOURCES {
         let text = match &dir {
@@ -598,7 +613,7 @@ impl Kernels {
         self.device.launch_with_shared(
             &self.prefill_attention,
             grid,
-            PREFILL_THREADS,
+            prefill_threads(s.head_dim),
             shared,
             &args,
         )?;
