@@ -21,4 +21,10 @@ timeout 60 $C/cuda_snapshots --ignored --test-threads=1 > $OUT/snapshots.log 2>&
 timeout 200 $C/cuda_parity --ignored --nocapture --test-threads=1 > $OUT/parity.log 2>&1; grep -E "prefill logits|panicked|result" $OUT/parity.log
 timeout 150 python3 engine/tests/fixtures/make_hf_gpu_fixtures.py /tmp/hf > $OUT/fixtures.log 2>&1
 SNAPSERVE_HF_GPU_FIXTURES=/tmp/hf timeout 120 $C/cuda_hf_parity --ignored --nocapture > $OUT/hf.log 2>&1; grep -E "against|panicked|result" $OUT/hf.log
-timeout 300 $C/actors_cuda --ignored > $OUT/actors.log 2>&1; grep -E "^test |panicked|result" $OUT/actors.log
+# One test at a time, as the suites above: each test starts an engine on the same GPU, and in
+# one process they share its context. Run in parallel, a request failed twice in ~30 runs with
+# cuBLAS's CUBLAS_STATUS_EXECUTION_FAILED (the tuned algorithm and the default one both, the
+# context unharmed: the other tests passed), likely a launch that had to grow the context's
+# local memory (a context-wide synchronization) while another test's engine captured its
+# graphs. A server runs one engine a GPU; tensor-parallel ranks each have their own GPU.
+timeout 300 $C/actors_cuda --ignored --test-threads=1 > $OUT/actors.log 2>&1; grep -E "^test |panicked|result" $OUT/actors.log
