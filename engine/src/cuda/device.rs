@@ -219,21 +219,23 @@ impl Device {
             // SAFETY: an all-zero value is a valid union; the field set is the one `id` names.
             value: unsafe { std::mem::zeroed() },
         };
-        let mut attributes = Vec::with_capacity(2);
-        if programmatic {
-            let mut a = attribute(
+        // On the stack: a step launches hundreds of kernels.
+        let mut attributes = [
+            attribute(
                 sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            );
-            a.value.programmaticStreamSerializationAllowed = 1;
-            attributes.push(a);
-        }
-        if cluster > 1 {
-            let mut a = attribute(sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION);
-            a.value.clusterDim.x = cluster;
-            a.value.clusterDim.y = 1;
-            a.value.clusterDim.z = 1;
-            attributes.push(a);
-        }
+            ),
+            attribute(sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION),
+        ];
+        attributes[0].value.programmaticStreamSerializationAllowed = programmatic as i32;
+        attributes[1].value.clusterDim.x = cluster;
+        attributes[1].value.clusterDim.y = 1;
+        attributes[1].value.clusterDim.z = 1;
+        // The attributes in use: the programmatic one, the cluster one, or both.
+        let used = match (programmatic, cluster > 1) {
+            (true, true) => &mut attributes[..],
+            (true, false) => &mut attributes[..1],
+            (false, _) => &mut attributes[1..],
+        };
         let config = sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -243,8 +245,8 @@ impl Device {
             blockDimZ: 1,
             sharedMemBytes: shared_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: attributes.as_mut_ptr(),
-            numAttrs: attributes.len() as u32,
+            attrs: used.as_mut_ptr(),
+            numAttrs: used.len() as u32,
         };
         // SAFETY: as above; `config` and its attributes outlive the call.
         unsafe {
