@@ -70,11 +70,12 @@ struct DecodeRow {
     bool in_cluster;  // the used splits are one cluster's blocks, merged in shared memory
 };
 
-// Launched in clusters (the engine does where a launch has CLUSTER_SPLITS splits or a multiple:
-// few rows), a row of at most CLUSTER_SPLITS · MIN_SPLIT_KEYS positions takes a split a tile
-// of KEY_TILE keys, up to a cluster's blocks, and the blocks merge through each other's shared
-// memory: no partial outputs through global memory, no counter, no last block's second round.
-// Every tile of the row is in flight at once. Measured on the H200 in BENCHMARKS.md.
+// Launched in clusters (the engine does for heads of up to 64 where a launch has a multiple of
+// CLUSTER_SPLITS splits: few rows), a row of at most CLUSTER_SPLITS · MIN_SPLIT_KEYS positions
+// takes a split a tile of KEY_TILE keys, up to a cluster's blocks, and the blocks merge through
+// each other's shared memory: no partial outputs through global memory, no counter, no last
+// block's second round. Every tile of the row is in flight at once. Measured on the H200 in
+// BENCHMARKS.md.
 #define CLUSTER_SPLITS 8
 
 __device__ __forceinline__ DecodeRow decode_row(const u32* row_start_token, const u32* row_start_pos,
