@@ -1743,10 +1743,16 @@ impl Scheduler {
         outcomes: Vec<(usize, PickOutcome)>,
         ended: &mut Vec<(usize, End)>,
     ) {
+        if let Ok(sampled) = &forward {
+            assert_eq!(
+                sampled.rows(),
+                draft.sent_rows.len(),
+                "one row of tokens per row"
+            );
+        }
         // The rows of jobs still here, each with what its pick left besides its tokens (the
-        // engine lists those in row order).
+        // engine lists those in row order). One pass: a job has one row a step.
         let mut outcomes = outcomes.into_iter().peekable();
-        let mut picks: Vec<(usize, Row, PickOutcome)> = Vec::with_capacity(draft.sent_rows.len());
         for (p, &r) in draft.sent_rows.iter().enumerate() {
             let mut outcome = outcomes
                 .next_if(|(at, _)| *at == p)
@@ -1756,43 +1762,27 @@ impl Scheduler {
                 continue;
             };
             // A job recomputing its prompt has forgotten every pick in flight already.
-            if !draft.recompute.contains(&row.job) {
+            let recomputing = draft.recompute.contains(&row.job);
+            if !recomputing {
                 job.in_flight -= row.samples as usize;
             }
+            // Its KV did not arrive (a failed or corrupt restore or fork): neither the logits
+            // kept after its prompt nor what it sampled count.
+            let arrived = !recomputing && !ended.iter().any(|(i, _)| *i == row.job);
             let kept = outcome.kept_logits.take();
-            picks.push((p, row, outcome));
-            let Some(key) = job.keep_logits_as.take() else {
-                continue;
-            };
-            // Logits over KV that did not arrive (a failed or corrupt restore) are not the
-            // prompt's.
-            let trusted = forward.is_ok()
-                && !draft.recompute.contains(&row.job)
-                && !ended.iter().any(|(i, _)| *i == row.job);
-            if let Some(kept) = kept.filter(|_| trusted) {
+            if let Some(key) = job.keep_logits_as.take()
+                && let Some(kept) = kept.filter(|_| forward.is_ok() && arrived)
+            {
                 self.prompt_logits.insert(key, kept.into());
             }
-        }
-        let sampled = match forward {
-            Ok(sampled) => sampled,
-            Err(e) => {
-                for (_, row, _) in &picks {
+            let sampled = match &forward {
+                Ok(sampled) => sampled,
+                Err(e) => {
                     ended.push((row.job, End::Failed(ServeError::Engine(e.clone()))));
+                    continue;
                 }
-                return;
-            }
-        };
-        assert_eq!(
-            sampled.rows(),
-            draft.sent_rows.len(),
-            "one row of tokens per row"
-        );
-        for (p, row, mut outcome) in picks {
-            if ended.iter().any(|(index, _)| *index == row.job)
-                || draft.recompute.contains(&row.job)
-            {
-                // Its KV did not arrive (a failed or corrupt restore or fork): what it sampled
-                // is not delivered.
+            };
+            if !arrived {
                 continue;
             }
             let tokens = sampled.row(p);
