@@ -525,6 +525,15 @@ impl Kernels {
 
     /// Attention of rows holding one new token each, whose bias, rotary embedding and KV append
     /// it does too, over `split.splits` splits of each row's positions.
+    /// Blocks a decode attention cluster has for `shape` on this device (1: none).
+    pub fn decode_cluster(&self, shape: &AttnShape) -> usize {
+        if self.device.has_clusters() {
+            shape.decode_cluster()
+        } else {
+            1
+        }
+    }
+
     pub fn decode_attention(&self, a: &DecodeAttention, rows: usize, split: &Splits) -> Result<()> {
         let s = &a.shape;
         let args = Args::new()
@@ -556,8 +565,8 @@ impl Kernels {
         let blocks = split.splits * s.decode_blocks_per_row() * rows;
         let multiprocessors = self.device.multiprocessors as usize;
         let shared = decode_shared_bytes(s.head_dim, blocks, multiprocessors) as u32;
-        let cluster = s.decode_cluster();
-        let cluster = if self.device.has_clusters() && split.splits.is_multiple_of(cluster) {
+        let cluster = self.decode_cluster(s);
+        let cluster = if split.splits.is_multiple_of(cluster) {
             cluster as u32
         } else {
             1

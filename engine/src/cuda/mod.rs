@@ -718,11 +718,7 @@ impl CudaBackend {
 
     /// Blocks a decode attention cluster has on this device (1: none).
     fn decode_cluster(&self) -> usize {
-        if self.device.has_clusters() {
-            self.attn_shape().decode_cluster()
-        } else {
-            1
-        }
+        self.kernels.decode_cluster(&self.attn_shape())
     }
 
     /// The forward pass with steps of at most `gemv_max_tokens` tokens on the gemv.
