@@ -79,9 +79,8 @@ struct DecodeRow {
 #define CLUSTER_SPLITS 8
 
 __device__ __forceinline__ DecodeRow decode_row(const u32* row_start_token, const u32* row_start_pos,
-                                               u32 window, u32 split, u32 splits, u32 cluster) {
+                                               u32 r, u32 window, u32 split, u32 splits, u32 cluster) {
     DecodeRow d;
-    u32 r = blockIdx.z;
     d.token = row_start_token[r];
     d.pos = row_start_pos[r];
     d.lo = (window != 0 && d.pos + 1 > window) ? d.pos + 1 - window : 0;
@@ -149,19 +148,25 @@ struct DecodeArgs {
     u32* done;
     u32 splits;
     u32 store_kv;  // 0: the step's k and v are in the cache already (a verification's rows)
+    // The launch's rows, as (row, 0) pairs (a prefill step's work items), or null for rows
+    // 0..gridDim.z: the rows of one token of a step that also holds prompt chunks, whose q, k
+    // and v rope_kv_append has rotated (q in place, bias added) and stored (`q_ready`).
+    const u32* row_items;
+    u32 q_ready;
 };
 
-// The last block of a (row, head group) merges the `used` splits' partial outputs: the splits'
-// weights first (from their log-sum-exps, through shared memory), then four output elements a
-// thread, with the partial loads of MERGE_BATCH splits in flight at once (a merge of 128 splits
-// reads 256 KB for the 8B shape: one load at a time, latency made it the step's largest cost).
+// The last block of a (row, head group) merges the `used` splits' partial outputs (those of the
+// launch's z-th row): the splits' weights first (from their log-sum-exps, through shared
+// memory), then four output elements a thread, with the partial loads of MERGE_BATCH splits in
+// flight at once (a merge of 128 splits reads 256 KB for the 8B shape: one load at a time,
+// latency made it the step's largest cost).
 #define MERGE_BATCH 16
-__device__ void combine_splits(const DecodeArgs& a, u32 r, u32 head0, u32 g, u32 used, u32 token,
+__device__ void combine_splits(const DecodeArgs& a, u32 z, u32 head0, u32 g, u32 used, u32 token,
                                u32 D) {
     __shared__ float s_w[DECODE_GROUP][MAX_SPLITS];
     for (u32 i = threadIdx.x; i < g * used; i += blockDim.x) {
         u32 h = i / used, s = i % used;
-        s_w[h][s] = __ldcg(a.lse_part + ((u64)r * a.heads + head0 + h) * a.splits + s);
+        s_w[h][s] = __ldcg(a.lse_part + ((u64)z * a.heads + head0 + h) * a.splits + s);
     }
     __syncthreads();
     if (threadIdx.x < g) {
@@ -176,7 +181,7 @@ __device__ void combine_splits(const DecodeArgs& a, u32 r, u32 head0, u32 g, u32
     for (u32 idx = threadIdx.x; idx < g * quads; idx += blockDim.x) {
         u32 h = idx / quads, d = (idx % quads) * 4;
         const float4* o =
-            (const float4*)(a.o_part + ((u64)r * a.heads + head0 + h) * a.splits * D + d);
+            (const float4*)(a.o_part + ((u64)z * a.heads + head0 + h) * a.splits * D + d);
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         for (u32 s0 = 0; s0 < used; s0 += MERGE_BATCH) {
             float4 part[MERGE_BATCH];
@@ -213,9 +218,10 @@ __device__ void decode_attention(const DecodeArgs& a) {
     u32 kvh = blockIdx.y / chunks, chunk = blockIdx.y % chunks;
     u32 head0 = kvh * group + chunk * DECODE_GROUP;
     u32 g = min((u32)DECODE_GROUP, group - chunk * DECODE_GROUP);
-    u32 split = blockIdx.x, r = blockIdx.z;
+    // Row r of the step is the launch's z-th: the split workspaces and counters go by z.
+    u32 split = blockIdx.x, z = blockIdx.z, r = a.row_items ? a.row_items[2 * z] : z;
     u32 cluster = cluster_blocks();
-    DecodeRow row = decode_row(a.row_start_token, a.row_start_pos, a.window, split, a.splits, cluster);
+    DecodeRow row = decode_row(a.row_start_token, a.row_start_pos, r, a.window, split, a.splits, cluster);
     if (split >= row.used) {
         pdl_begin();
         // A block of the merging cluster with no positions still meets its barriers.
@@ -257,7 +263,9 @@ __device__ void decode_attention(const DecodeArgs& a) {
         u32 col = unit < g ? (head0 + unit) * D : (unit == g ? a.heads + kvh : a.heads + a.kv_heads + kvh) * D;
         if (unit > g + 1) col = 0;  // idle lanes still join new_head's shuffles
         float x[8];
-        new_head(tok, a.bias, col + part * 8, cs, sn, LPK / 2, part < LPK / 2, is_v, x);
+        bool ready = a.q_ready && unit < g;  // q as rope_kv_append left it: no bias, no turn
+        new_head(tok, ready ? nullptr : a.bias, col + part * 8, cs, sn, LPK / 2, part < LPK / 2,
+                 is_v || ready, x);
         uint4 bits = pack8(x);
         if (unit < g) *(uint4*)(s_q + unit * STRIDE + part * 8) = bits;
         if (a.store_kv && unit >= g && unit <= g + 1 && row.begin <= row.pos && row.pos < row.end) {
@@ -372,7 +380,7 @@ __device__ void decode_attention(const DecodeArgs& a) {
         } else if (row.used == 1) {
             a.out[(u64)row.token * a.heads * D + (u64)head * D + d] = f32_to_bf16(o);
         } else {
-            u64 slot = ((u64)r * a.heads + head) * a.splits + split;
+            u64 slot = ((u64)z * a.heads + head) * a.splits + split;
             a.o_part[slot * D + d] = o;
             if (d == 0) a.lse_part[slot] = lt > 0.f ? mt + log2f(lt) : NEG_INF;
         }
@@ -411,14 +419,14 @@ __device__ void decode_attention(const DecodeArgs& a) {
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        u32* counter = a.done + (u64)r * gridDim.y + blockIdx.y;
+        u32* counter = a.done + (u64)z * gridDim.y + blockIdx.y;
         s_last = atomicAdd(counter, 1u) == row.used - 1;
         if (s_last) *counter = 0;
     }
     __syncthreads();
     if (s_last) {
         __threadfence();
-        combine_splits(a, r, head0, g, row.used, row.token, D);
+        combine_splits(a, z, head0, g, row.used, row.token, D);
     }
 }
 
@@ -429,11 +437,12 @@ __device__ void decode_attention(const DecodeArgs& a) {
         const u32* page_table, u32 table_stride, const u32* row_start_token,                      \
         const u32* row_start_pos, u32 heads, u32 kv_heads, u32 page_tokens, u32 window,           \
         float scale_log2, bf16* out, float* o_part, float* lse_part, u32* done, u32 splits,       \
-        u32 store_kv) {                                                                            \
+        u32 store_kv, const u32* row_items, u32 q_ready) {                                         \
         DecodeArgs a = {qkv,     bias,           inv_freq,      k_cache, v_cache,                 \
                         page_table, table_stride, row_start_token, row_start_pos, heads,           \
                         kv_heads, page_tokens,   window,        scale_log2, out,                   \
-                        o_part,  lse_part,       done,          splits,        store_kv};          \
+                        o_part,  lse_part,       done,          splits,        store_kv,           \
+                        row_items, q_ready};                                                       \
         decode_attention<D>(a);                                                                   \
     }
 DECODE_ENTRY(16)

@@ -120,6 +120,82 @@ fn prefill_logits_match_the_cpu_backend() {
     }
 }
 
+/// A step holding a prompt chunk between two decode rows, each a token over a context computed
+/// by the step before: the decode rows go through decode attention (listed after the chunk's
+/// work items, their q rotated by the append), the chunk through prefill attention.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn decode_rows_beside_a_prompt_chunk_match_the_cpu_backend() {
+    for (name, spec) in specs() {
+        let (_dir, files) = model(&spec);
+        let (mut cpu, mut gpu) = (cpu(&files), cuda(&files, true));
+        let first = StepPlan {
+            rows: vec![
+                RowPlan {
+                    tokens: prompt(3, 70),
+                    start_pos: 0,
+                    pages: pages(0, 5),
+                    logits: LogitsWanted::Last,
+                },
+                RowPlan {
+                    tokens: prompt(4, 37),
+                    start_pos: 0,
+                    pages: pages(1, 3),
+                    logits: LogitsWanted::Last,
+                },
+            ],
+        };
+        cpu.step(&first).unwrap();
+        gpu.step(&first).unwrap();
+        let mixed = StepPlan {
+            rows: vec![
+                RowPlan {
+                    tokens: vec![7],
+                    start_pos: 70,
+                    pages: pages(0, 5),
+                    logits: LogitsWanted::Last,
+                },
+                RowPlan {
+                    tokens: prompt(5, 45),
+                    start_pos: 0,
+                    pages: pages(2, 3),
+                    logits: LogitsWanted::All,
+                },
+                RowPlan {
+                    tokens: vec![9],
+                    start_pos: 37,
+                    pages: pages(1, 3),
+                    logits: LogitsWanted::Last,
+                },
+            ],
+        };
+        let (want, got) = (cpu.step(&mixed).unwrap(), gpu.step(&mixed).unwrap());
+        assert_eq!(want.row_ranges, got.row_ranges);
+        let (max, rel) = difference(&want.logits, &got.logits);
+        let agree = healthy_argmax_agreement(&want, &got, max);
+        println!(
+            "{name}: mixed step logits max abs error {max:.4}, relative RMS {rel:.2e}; argmax agrees at {}/{} healthy positions",
+            agree.0, agree.1
+        );
+        assert!(rel < 2e-2, "{name}: relative RMS {rel}");
+        assert_eq!(
+            agree.0, agree.1,
+            "{name}: an argmax differs where the margin is healthy"
+        );
+        // The decode rows' logits alone (the last of the rows of one token): a wrong row there
+        // would hide among the chunk's 45 rows.
+        let v = want.vocab_size;
+        for row in [0, 2] {
+            let at = want.row_ranges[row].start * v..want.row_ranges[row].end * v;
+            let (max, rel) = difference(&want.logits[at.clone()], &got.logits[at]);
+            assert!(
+                rel < 2e-2,
+                "{name}: decode row {row}: relative RMS {rel} (max {max})"
+            );
+        }
+    }
+}
+
 /// (agreeing, checked) argmaxes over logit rows whose CPU margin exceeds twice `max_error`.
 fn healthy_argmax_agreement(want: &StepOutput, got: &StepOutput, max_error: f32) -> (usize, usize) {
     let v = want.vocab_size;

@@ -161,8 +161,17 @@ pub enum AttentionMode {
         splits: usize,
         append_first: bool,
     },
-    /// Rows of any length, in work items, their keys split over `splits` blocks each.
-    Prefill { items: usize, splits: usize },
+    /// Rows of any length, in work items, their keys split over `splits` blocks each; then
+    /// `decode_rows` rows of one token (listed after the items: see
+    /// [`super::step_meta::StepLayout::decode_items`]) through decode attention, split
+    /// `decode_splits` ways. A decode row among the work items would be a block of
+    /// `PREFILL_ROWS` query rows with a group's worth used, each warp reading its whole context.
+    Prefill {
+        items: usize,
+        splits: usize,
+        decode_rows: usize,
+        decode_splits: usize,
+    },
 }
 
 /// The parts of the backend a pass uses.
@@ -418,6 +427,7 @@ impl Forward<'_> {
                     shape,
                     out: self.ws.narrow,
                     store_kv: !append_first,
+                    row_items: DPtr::NULL,
                 };
                 let split = Splits {
                     splits,
@@ -427,7 +437,12 @@ impl Forward<'_> {
                 };
                 self.kernels.decode_attention(&attention, rows, &split)?
             }
-            AttentionMode::Prefill { items, splits } => {
+            AttentionMode::Prefill {
+                items,
+                splits,
+                decode_rows,
+                decode_splits,
+            } => {
                 append(true)?;
                 let attention = Attention {
                     qkv: self.ws.wide,
@@ -444,7 +459,29 @@ impl Forward<'_> {
                     done: self.ws.done,
                 };
                 self.kernels
-                    .prefill_attention(&attention, items, tokens, &split)?
+                    .prefill_attention(&attention, items, tokens, &split)?;
+                // After prefill attention and its merge, which write (garbage) outputs for every
+                // token, these rows' too; their k and v are stored and q rotated already.
+                if decode_rows > 0 {
+                    let attention = DecodeAttention {
+                        qkv: self.ws.wide,
+                        bias: w.bqkv,
+                        inv_freq: self.weights.inv_freq(),
+                        k_cache,
+                        v_cache,
+                        rows: self.meta.rows,
+                        shape,
+                        out: self.ws.narrow,
+                        store_kv: false,
+                        row_items: self.meta.rows.items.offset(2 * items),
+                    };
+                    let split = Splits {
+                        splits: decode_splits,
+                        ..split
+                    };
+                    self.kernels
+                        .decode_attention(&attention, decode_rows, &split)?
+                }
             }
         }
         let out = Linear {

@@ -797,6 +797,7 @@ impl AttentionCase {
                     select: LogitSelection::Wanted,
                     pad_rows_to: 0,
                     item_tokens,
+                    decode_rows_apart: false,
                     sample_params: &[],
                 },
             )
@@ -935,6 +936,7 @@ fn check_decode(shape: AttnShape, contexts: &[usize], splits: usize, with_bias: 
         shape,
         out: out.ptr(),
         store_kv: true,
+        row_items: DPtr::NULL,
     };
     let what = format!("decode {shape:?} contexts {contexts:?} splits {splits} bias {with_bias}");
     for run in 0..2 {
@@ -1038,6 +1040,7 @@ fn check_verification_rows(shape: AttnShape, verifications: &[(usize, usize)], s
         shape,
         out,
         store_kv: false,
+        row_items: DPtr::NULL,
     };
     let what = format!("verification rows {shape:?} {verifications:?} splits {splits}");
     let together = attention(raw_d.ptr(), &meta, out.ptr());
@@ -1060,6 +1063,7 @@ fn check_verification_rows(shape: AttnShape, verifications: &[(usize, usize)], s
                 select: LogitSelection::Wanted,
                 pad_rows_to: 0,
                 item_tokens: 0,
+                decode_rows_apart: false,
                 sample_params: &[],
             },
         )
@@ -1401,6 +1405,7 @@ fn step_metadata_lands_in_its_typed_buffers() {
                 select: LogitSelection::Wanted,
                 pad_rows_to: 4,
                 item_tokens: 2,
+                decode_rows_apart: false,
                 sample_params: &sample,
             },
         )

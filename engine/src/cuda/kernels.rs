@@ -556,7 +556,9 @@ impl Kernels {
             .ptr(split.lse_part)
             .ptr(split.done)
             .u32(split.splits as u32)
-            .u32(a.store_kv as u32);
+            .u32(a.store_kv as u32)
+            .ptr(a.row_items)
+            .u32((a.row_items.addr() != 0) as u32);
         let grid = (
             split.splits as u32,
             s.decode_blocks_per_row() as u32,
@@ -997,6 +999,10 @@ pub struct DecodeAttention {
     pub out: DPtr<bf16>,
     /// Store each row's k and v into the cache (else a launch before stored them).
     pub store_kv: bool,
+    /// The launch's rows as `(row, 0)` pairs (the decode rows a prefill step lists after its
+    /// work items, [`super::step_meta::StepLayout::decode_items`]), whose q `rope_kv_append`
+    /// rotated in place; [`DPtr::NULL`] for the step's rows `0..` with q as projected.
+    pub row_items: DPtr<u32>,
 }
 
 /// Arguments of [`Kernels::prefill_attention`].

@@ -774,6 +774,7 @@ impl CudaBackend {
                 select,
                 pad_rows_to: 0,
                 item_tokens,
+                decode_rows_apart: true,
                 sample_params,
             },
         )?;
@@ -791,7 +792,14 @@ impl CudaBackend {
                 append_first: false,
             }
         } else {
-            let longest = plan.rows.iter().map(|r| r.end_pos()).max().unwrap_or(0);
+            // The rows of one token go to decode attention (listed after the work items).
+            let longest = plan
+                .rows
+                .iter()
+                .filter(|r| r.tokens.len() > 1)
+                .map(|r| r.end_pos())
+                .max()
+                .unwrap_or(0);
             AttentionMode::Prefill {
                 items: layout.items,
                 splits: forward::prefill_splits(
@@ -800,6 +808,13 @@ impl CudaBackend {
                     layout.tokens,
                     longest,
                     self.ws.sizes.split_pairs,
+                ),
+                decode_rows: layout.decode_items,
+                decode_splits: forward::decode_splits(
+                    multiprocessors,
+                    layout.decode_items,
+                    shape.decode_blocks_per_row(),
+                    self.decode_cluster(),
                 ),
             }
         };
@@ -824,6 +839,7 @@ impl CudaBackend {
                 select: LogitSelection::LastOfEachRow,
                 pad_rows_to: bucket,
                 item_tokens: 0,
+                decode_rows_apart: false,
                 sample_params,
             },
         )?;
@@ -926,6 +942,7 @@ impl CudaBackend {
                     select: LogitSelection::LastOfEachRow,
                     pad_rows_to: 0,
                     item_tokens: 0,
+                    decode_rows_apart: false,
                     sample_params: &params,
                 },
             )?;

@@ -67,7 +67,12 @@ pub struct StepLayout {
     pub tokens: usize,
     /// Rows, padding included.
     pub rows: usize,
+    /// Prefill work items, those of the rows of one token (see
+    /// [`PackRequest::decode_rows_apart`]) not counted.
     pub items: usize,
+    /// With [`PackRequest::decode_rows_apart`]: the rows of one token, listed as items `(row,
+    /// 0)` after the `items` prefill ones, for decode attention.
+    pub decode_items: usize,
     pub logit_rows: usize,
 }
 
@@ -79,6 +84,9 @@ pub struct PackRequest<'a> {
     pub pad_rows_to: usize,
     /// Query tokens per prefill work item; 0 for a step that needs none.
     pub item_tokens: usize,
+    /// List a prefill step's rows of one token (decode rows of a step that also holds a prompt
+    /// chunk) after its prefill items instead of among them, for decode attention.
+    pub decode_rows_apart: bool,
     /// Sampling parameters of rows `0..`, `SAMPLE_PARAM_WORDS` words each.
     pub sample_params: &'a [u32],
 }
@@ -240,7 +248,7 @@ impl Packer<'_> {
                 logits: LogitsWanted::None,
             });
         }
-        let items = items(&rows, request.item_tokens);
+        let (items, decode_items) = items(&rows, request.item_tokens, request.decode_rows_apart);
         let tokens: usize = rows.iter().map(|r| r.tokens.len()).sum();
         let entries: usize = rows.iter().map(|r| r.pages.len()).sum();
         let sampled = request.sample_params.len() / SAMPLE_PARAM_WORDS;
@@ -263,7 +271,8 @@ impl Packer<'_> {
         let layout = StepLayout {
             tokens,
             rows: rows.len(),
-            items: items.len(),
+            items: items.len() - decode_items,
+            decode_items,
             logit_rows,
         };
         (layout, self.len)
@@ -324,14 +333,21 @@ fn wants_logits(wanted: LogitsWanted, last_token: bool) -> bool {
 }
 
 /// Prefill work items: (row, first token within the row) every `item_tokens` tokens, those that
-/// attend the most positions first.
-fn items(rows: &[PackedRow], item_tokens: usize) -> Vec<(u32, u32)> {
+/// attend the most positions first. With `decode_rows_apart`, the rows of one token come last,
+/// as (row, 0) in row order, and their count is returned too.
+fn items(
+    rows: &[PackedRow],
+    item_tokens: usize,
+    decode_rows_apart: bool,
+) -> (Vec<(u32, u32)>, usize) {
     if item_tokens == 0 {
-        return Vec::new();
+        return (Vec::new(), 0);
     }
+    let apart = |row: &PackedRow| decode_rows_apart && row.tokens.len() == 1;
     let mut items: Vec<(u32, u32)> = rows
         .iter()
         .enumerate()
+        .filter(|(_, row)| !apart(row))
         .flat_map(|(r, row)| {
             (0..row.tokens.len())
                 .step_by(item_tokens)
@@ -341,7 +357,15 @@ fn items(rows: &[PackedRow], item_tokens: usize) -> Vec<(u32, u32)> {
     // The items with the most keys start first and the short ones fill the last wave: a causal
     // prompt's last item reads every key of the prompt, its first one a tile.
     items.sort_by_key(|&(r, first)| std::cmp::Reverse(rows[r as usize].start_pos + first as usize));
-    items
+    let before = items.len();
+    items.extend(
+        rows.iter()
+            .enumerate()
+            .filter(|(_, row)| apart(row))
+            .map(|(r, _)| (r as u32, 0)),
+    );
+    let decode = items.len() - before;
+    (items, decode)
 }
 
 #[cfg(test)]
@@ -363,12 +387,33 @@ mod tests {
         // A fresh 40-token prompt in items of 16, and 20 tokens after 100 restored.
         let rows = [row(&fresh, 0), row(&continued, 100)];
         assert_eq!(
-            items(&rows, 16),
+            items(&rows, 16, false).0,
             [(1, 16), (1, 0), (0, 32), (0, 16), (0, 0)]
         );
         // Ties keep the rows' order.
         let rows = [row(&fresh[..5], 7), row(&fresh[..3], 7)];
-        assert_eq!(items(&rows, 16), [(0, 0), (1, 0)]);
-        assert!(items(&rows, 0).is_empty());
+        assert_eq!(items(&rows, 16, false).0, [(0, 0), (1, 0)]);
+        assert!(items(&rows, 0, false).0.is_empty());
+    }
+
+    #[test]
+    fn decode_rows_of_a_prefill_step_are_listed_after_its_items() {
+        let (prompt, one) = ([0u32; 40], [0u32; 1]);
+        let rows = [
+            row(&one, 500),
+            row(&prompt, 0),
+            row(&one, 7),
+            row(&one, 900),
+        ];
+        // Apart: the prompt's items, longest first, then the rows of one token in row order.
+        assert_eq!(
+            items(&rows, 16, true),
+            (vec![(1, 32), (1, 16), (1, 0), (0, 0), (2, 0), (3, 0)], 3)
+        );
+        // Among the items otherwise, by the positions they attend.
+        assert_eq!(
+            items(&rows, 16, false),
+            (vec![(3, 0), (0, 0), (1, 32), (1, 16), (2, 0), (1, 0)], 0)
+        );
     }
 }
