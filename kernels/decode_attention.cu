@@ -247,7 +247,20 @@ __device__ void decode_attention(const DecodeArgs& a) {
         issue_kv_tile<D, DECODE_WARPS * 32>(decode_tiles, decode_tiles + TILE, a.k_cache,
                                             a.v_cache, table, a.page_tokens, a.kv_heads, kvh,
                                             row.begin, row.end - 1);
+    // The rotation's angles need only the position (the step's first kernel wrote it) and the
+    // frequencies. Heads of up to 64 compute them before the wait, overlapping the kernel before
+    // (their step is a chain of latencies: SmolLM2 batch 1 +2.5%, BENCHMARKS.md); heads of 128
+    // after it: held through the first tile's copy they took 168 registers a thread, not 160,
+    // for no gain on the 8B shape.
+    float cs[8], sn[8];
+    auto angles = [&] {
+        u32 part = threadIdx.x % LPK;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sincosf((float)row.pos * a.inv_freq[(part * 8 + i) % (D / 2)], &sn[i], &cs[i]);
+    };
+    if constexpr (D <= 64) angles();
     pdl_begin();
+    if constexpr (D > 64) angles();
 
     // Prologue: lane groups of LPK threads each take one of the g query heads (rotated, rounded
     // to bf16 into the rows of s_q), the new k (rotated) or the new v. The blocks of the split
@@ -255,9 +268,6 @@ __device__ void decode_attention(const DecodeArgs& a) {
     // every head group's block stores the same bytes, so their order does not matter.
     {
         u32 unit = threadIdx.x / LPK, part = threadIdx.x % LPK;
-        float cs[8], sn[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sincosf((float)row.pos * a.inv_freq[(part * 8 + i) % (D / 2)], &sn[i], &cs[i]);
         const bf16* tok = a.qkv + (u64)row.token * (a.heads + 2 * a.kv_heads) * D;
         bool is_v = unit == g + 1;
         u32 col = unit < g ? (head0 + unit) * D : (unit == g ? a.heads + kvh : a.heads + a.kv_heads + kvh) * D;
