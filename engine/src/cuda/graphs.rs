@@ -92,7 +92,7 @@ fn kernel_nodes(graph: &CudaGraph) -> std::result::Result<usize, DriverError> {
     Ok(kernels)
 }
 
-fn capture(device: &Device, record: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
+pub(super) fn capture(device: &Device, record: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
     let stream = device.stream();
     stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
     let recorded = record();

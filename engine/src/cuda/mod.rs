@@ -39,6 +39,8 @@ pub mod weights;
 
 #[cfg(test)]
 mod kernel_tests;
+#[cfg(test)]
+mod sync_probe;
 
 #[cfg(test)]
 mod tests {
