@@ -88,6 +88,18 @@ __device__ __forceinline__ void unpack8(uint4 v, float* out) {
     out[6] = bf16x2_lo(v.w); out[7] = bf16x2_hi(v.w);
 }
 
+// The 8 bf16 at `at` of `row` as floats, with the same 8 of `bias` added where there is one
+// (Qwen2's q/k/v bias): how the prefill's append and decode attention both read a new token.
+__device__ __forceinline__ void load8_biased(const bf16* row, const bf16* bias, u32 at, float* out) {
+    unpack8(*(const uint4*)(row + at), out);
+    if (bias) {
+        float b[8];
+        unpack8(*(const uint4*)(bias + at), b);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] += b[i];
+    }
+}
+
 __device__ __forceinline__ uint4 pack8(const float* v) {
     return make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
                       pack_bf16x2(v[6], v[7]));

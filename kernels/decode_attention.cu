@@ -116,13 +116,7 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float* acc, floa
 __device__ __forceinline__ void new_head(const bf16* row, const bf16* bias, u32 at, const float* cs,
                                          const float* sn, u32 half_lanes, bool low, bool v,
                                          float* out) {
-    unpack8(*(const uint4*)(row + at), out);
-    if (bias) {
-        float b[8];
-        unpack8(*(const uint4*)(bias + at), b);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) out[i] += b[i];
-    }
+    load8_biased(row, bias, at, out);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         float other = __shfl_xor_sync(0xffffffffu, out[i], half_lanes);

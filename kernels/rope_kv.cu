@@ -42,15 +42,8 @@ extern "C" __global__ void rope_kv_append(bf16* __restrict__ qkv, const bf16* __
             u32 head = u / vecs, i0 = (u - head * vecs) * 8;
             u32 a = head * head_dim + i0, b = a + half;
             float x[8], y[8];
-            unpack8(*(const uint4*)(row + a), x);
-            unpack8(*(const uint4*)(row + b), y);
-            if (bias) {
-                float bx[8], by[8];
-                unpack8(*(const uint4*)(bias + a), bx);
-                unpack8(*(const uint4*)(bias + b), by);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) x[j] += bx[j], y[j] += by[j];
-            }
+            load8_biased(row, bias, a, x);
+            load8_biased(row, bias, b, y);
             float rx[8], ry[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -70,13 +63,7 @@ extern "C" __global__ void rope_kv_append(bf16* __restrict__ qkv, const bf16* __
         } else {
             u32 e = (u - rotated) * 8, at = (heads + kv_heads) * head_dim + e;
             float v[8];
-            unpack8(*(const uint4*)(row + at), v);
-            if (bias) {
-                float bv[8];
-                unpack8(*(const uint4*)(bias + at), bv);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) v[j] += bv[j];
-            }
+            load8_biased(row, bias, at, v);
             *(uint4*)(v_cache + slot * kv_heads * head_dim + e) = pack8(v);
         }
     }
