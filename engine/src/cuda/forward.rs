@@ -460,8 +460,9 @@ impl Forward<'_> {
                 };
                 self.kernels
                     .prefill_attention(&attention, items, tokens, &split)?;
-                // After prefill attention and its merge, which write (garbage) outputs for every
-                // token, these rows' too; their k and v are stored and q rotated already.
+                // After prefill attention: the merge of its splits writes an output for every
+                // token of the step, these rows' among them (from nothing). Their k and v are
+                // stored and their q rotated already (the append above).
                 if decode_rows > 0 {
                     let attention = DecodeAttention {
                         qkv: self.ws.wide,
