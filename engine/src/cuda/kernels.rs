@@ -1045,6 +1045,22 @@ pub struct PageCopies {
     pub bad: DPtr<u32>,
 }
 
+/// The kernel of [`GEMV_KERNELS`] for `input` and `output`, and the outputs one block writes
+/// when it streams `rows` weight rows (with GLU, rows o and out + o make output o).
+fn gemv_kernel(input: GemvInput, output: GemvOutput, rows: usize) -> (usize, usize) {
+    let normed = matches!(input, GemvInput::Normed { .. });
+    match (normed, output) {
+        (false, GemvOutput::Rows(_)) => (0, rows),
+        (true, GemvOutput::Rows(_)) => (1, rows),
+        (false, GemvOutput::Glu(_)) => (2, rows / 2),
+        (true, GemvOutput::Glu(_)) => (3, rows / 2),
+        (false, GemvOutput::Accumulate(_)) => (4, rows),
+        (true, GemvOutput::Accumulate(_)) => {
+            panic!("no gemv adds the product of a normed input to the residual stream")
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1076,22 +1092,6 @@ mod tests {
         let ptx = super::compile("sm_90").unwrap();
         if let Some(path) = std::env::var_os("PTX_OUT") {
             std::fs::write(path, ptx.to_src()).unwrap();
-        }
-    }
-}
-
-/// The kernel of [`GEMV_KERNELS`] for `input` and `output`, and the outputs one block writes
-/// when it streams `rows` weight rows (with GLU, rows o and out + o make output o).
-fn gemv_kernel(input: GemvInput, output: GemvOutput, rows: usize) -> (usize, usize) {
-    let normed = matches!(input, GemvInput::Normed { .. });
-    match (normed, output) {
-        (false, GemvOutput::Rows(_)) => (0, rows),
-        (true, GemvOutput::Rows(_)) => (1, rows),
-        (false, GemvOutput::Glu(_)) => (2, rows / 2),
-        (true, GemvOutput::Glu(_)) => (3, rows / 2),
-        (false, GemvOutput::Accumulate(_)) => (4, rows),
-        (true, GemvOutput::Accumulate(_)) => {
-            panic!("no gemv adds the product of a normed input to the residual stream")
         }
     }
 }
