@@ -105,19 +105,25 @@ fn prefill_logits_match_the_cpu_backend() {
             ],
         };
         let (want, got) = (cpu.step(&plan).unwrap(), gpu.step(&plan).unwrap());
-        assert_eq!(want.row_ranges, got.row_ranges);
-        let (max, rel) = difference(&want.logits, &got.logits);
-        let agree = healthy_argmax_agreement(&want, &got, max);
-        println!(
-            "{name}: prefill logits max abs error {max:.4}, relative RMS {rel:.2e}; argmax agrees at {}/{} healthy positions",
-            agree.0, agree.1
-        );
-        assert!(rel < 2e-2, "{name}: relative RMS {rel}");
-        assert_eq!(
-            agree.0, agree.1,
-            "{name}: an argmax differs where the margin is healthy"
-        );
+        assert_logits_agree(&format!("{name}: prefill"), &want, &got);
     }
+}
+
+/// The GPU's logits against the CPU's for one step: the same rows, relative RMS under 2e-2,
+/// and the same argmax wherever the CPU's margin is healthy.
+fn assert_logits_agree(what: &str, want: &StepOutput, got: &StepOutput) {
+    assert_eq!(want.row_ranges, got.row_ranges);
+    let (max, rel) = difference(&want.logits, &got.logits);
+    let agree = healthy_argmax_agreement(want, got, max);
+    println!(
+        "{what} logits max abs error {max:.4}, relative RMS {rel:.2e}; argmax agrees at {}/{} healthy positions",
+        agree.0, agree.1
+    );
+    assert!(rel < 2e-2, "{what}: relative RMS {rel}");
+    assert_eq!(
+        agree.0, agree.1,
+        "{what}: an argmax differs where the margin is healthy"
+    );
 }
 
 /// A step holding a prompt chunk between two decode rows, each a token over a context computed
@@ -170,18 +176,7 @@ fn decode_rows_beside_a_prompt_chunk_match_the_cpu_backend() {
             ],
         };
         let (want, got) = (cpu.step(&mixed).unwrap(), gpu.step(&mixed).unwrap());
-        assert_eq!(want.row_ranges, got.row_ranges);
-        let (max, rel) = difference(&want.logits, &got.logits);
-        let agree = healthy_argmax_agreement(&want, &got, max);
-        println!(
-            "{name}: mixed step logits max abs error {max:.4}, relative RMS {rel:.2e}; argmax agrees at {}/{} healthy positions",
-            agree.0, agree.1
-        );
-        assert!(rel < 2e-2, "{name}: relative RMS {rel}");
-        assert_eq!(
-            agree.0, agree.1,
-            "{name}: an argmax differs where the margin is healthy"
-        );
+        assert_logits_agree(&format!("{name}: mixed step"), &want, &got);
         // The decode rows' logits alone (the last of the rows of one token): a wrong row there
         // would hide among the chunk's 45 rows.
         let v = want.vocab_size;

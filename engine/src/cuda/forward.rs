@@ -408,6 +408,24 @@ impl Forward<'_> {
                 write_q,
             })
         };
+        let decode = |store_kv, row_items| DecodeAttention {
+            qkv: self.ws.wide,
+            bias: w.bqkv,
+            inv_freq: self.weights.inv_freq(),
+            k_cache,
+            v_cache,
+            rows: self.meta.rows,
+            shape,
+            out: self.ws.narrow,
+            store_kv,
+            row_items,
+        };
+        let split = |splits| Splits {
+            splits,
+            o_part: self.ws.o_part,
+            lse_part: self.ws.lse_part,
+            done: self.ws.done,
+        };
         match mode {
             AttentionMode::Decode {
                 rows,
@@ -417,25 +435,9 @@ impl Forward<'_> {
                 if append_first {
                     append(false)?;
                 }
-                let attention = DecodeAttention {
-                    qkv: self.ws.wide,
-                    bias: w.bqkv,
-                    inv_freq: self.weights.inv_freq(),
-                    k_cache,
-                    v_cache,
-                    rows: self.meta.rows,
-                    shape,
-                    out: self.ws.narrow,
-                    store_kv: !append_first,
-                    row_items: DPtr::NULL,
-                };
-                let split = Splits {
-                    splits,
-                    o_part: self.ws.o_part,
-                    lse_part: self.ws.lse_part,
-                    done: self.ws.done,
-                };
-                self.kernels.decode_attention(&attention, rows, &split)?
+                let attention = decode(!append_first, DPtr::NULL);
+                self.kernels
+                    .decode_attention(&attention, rows, &split(splits))?
             }
             AttentionMode::Prefill {
                 items,
@@ -452,36 +454,15 @@ impl Forward<'_> {
                     shape,
                     out: self.ws.narrow,
                 };
-                let split = Splits {
-                    splits,
-                    o_part: self.ws.o_part,
-                    lse_part: self.ws.lse_part,
-                    done: self.ws.done,
-                };
                 self.kernels
-                    .prefill_attention(&attention, items, tokens, &split)?;
+                    .prefill_attention(&attention, items, tokens, &split(splits))?;
                 // After prefill attention: the merge of its splits writes an output for every
                 // token of the step, these rows' among them (from nothing). Their k and v are
                 // stored and their q rotated already (the append above).
                 if decode_rows > 0 {
-                    let attention = DecodeAttention {
-                        qkv: self.ws.wide,
-                        bias: w.bqkv,
-                        inv_freq: self.weights.inv_freq(),
-                        k_cache,
-                        v_cache,
-                        rows: self.meta.rows,
-                        shape,
-                        out: self.ws.narrow,
-                        store_kv: false,
-                        row_items: self.meta.rows.items.offset(2 * items),
-                    };
-                    let split = Splits {
-                        splits: decode_splits,
-                        ..split
-                    };
+                    let attention = decode(false, self.meta.rows.items.offset(2 * items));
                     self.kernels
-                        .decode_attention(&attention, decode_rows, &split)?
+                        .decode_attention(&attention, decode_rows, &split(decode_splits))?
                 }
             }
         }

@@ -523,8 +523,6 @@ impl Kernels {
             .launch(&self.rope_kv_append, grid, THREADS, &args)
     }
 
-    /// Attention of rows holding one new token each, whose bias, rotary embedding and KV append
-    /// it does too, over `split.splits` splits of each row's positions.
     /// Blocks a decode attention cluster has for `shape` on this device (1: none).
     pub fn decode_cluster(&self, shape: &AttnShape) -> usize {
         if self.device.has_clusters() {
@@ -534,6 +532,8 @@ impl Kernels {
         }
     }
 
+    /// Attention of rows holding one new token each, whose bias, rotary embedding and KV append
+    /// it does too, over `split.splits` splits of each row's positions.
     pub fn decode_attention(&self, a: &DecodeAttention, rows: usize, split: &Splits) -> Result<()> {
         let s = &a.shape;
         let args = Args::new()
