@@ -23,8 +23,9 @@ use super::collective::Collective;
 use super::device::{DPtr, Device, DeviceBuffer};
 use super::gemm::{Gemm, Linear};
 use super::kernels::{
-    AddRmsNorm, Attention, AttnShape, DecodeAttention, Embed, GEMV_MAX_TOKENS, GEMV_NORM_MAX_IN,
-    GEMV_TC_CHUNK, GemvInput, GemvOutput, Kernels, MetaBuffers, RopeKv, Splits,
+    AddRmsNorm, Attention, AttnShape, CLUSTER_ROW_POSITIONS, DecodeAttention, Embed,
+    GEMV_MAX_TOKENS, GEMV_NORM_MAX_IN, GEMV_TC_CHUNK, GemvInput, GemvOutput, Kernels, MetaBuffers,
+    RopeKv, Splits,
 };
 use super::pool::KvPool;
 use super::weights::GpuWeights;
@@ -534,6 +535,28 @@ pub fn decode_splits(
     }
 }
 
+/// [`decode_splits`] for rows of at most `longest` positions. Rows short enough to merge
+/// their splits in a cluster ([`CLUSTER_ROW_POSITIONS`]) use at most a cluster's blocks
+/// whatever the launch has (`decode_row` in decode_attention.cu), so a launch of only such rows
+/// takes no more than that: a row's sums are the same, without the blocks that would find
+/// nothing to do, and a launch of a few rows that would have split each row over more blocks
+/// than a cluster, merging them through global memory, runs in clusters instead (H200,
+/// SmolLM2's shape at batch 8 × 512 positions, 11 splits → 8: +5–6% tok/s; BENCHMARKS.md).
+pub fn decode_splits_within(
+    multiprocessors: usize,
+    rows: usize,
+    blocks_per_row: usize,
+    cluster: usize,
+    longest: usize,
+) -> usize {
+    let splits = decode_splits(multiprocessors, rows, blocks_per_row, cluster);
+    if cluster > 1 && longest <= CLUSTER_ROW_POSITIONS {
+        splits.min(cluster)
+    } else {
+        splits
+    }
+}
+
 /// The (row × split) pairs decode attention needs for any batch of at most `rows` rows (with
 /// clusters a launch takes no more splits than without).
 pub fn decode_split_pairs(multiprocessors: usize, rows: usize, blocks_per_row: usize) -> usize {
@@ -593,6 +616,21 @@ mod tests {
             }
         }
         assert!(pairs <= 256 + 33);
+    }
+
+    #[test]
+    fn short_rows_take_a_cluster_of_splits_at_most() {
+        // SmolLM2's shape (3 blocks a row) in clusters of 8: a lone short row launches 8 splits
+        // instead of 88, 8 short rows one cluster each instead of 11 splits through global
+        // memory; a row past the cluster's reach keeps the launch of before.
+        let short = CLUSTER_ROW_POSITIONS;
+        assert_eq!(decode_splits_within(132, 1, 3, 8, short), 8);
+        assert_eq!(decode_splits_within(132, 1, 3, 8, short + 1), 88);
+        assert_eq!(decode_splits_within(132, 8, 3, 8, 512), 8);
+        assert_eq!(decode_splits_within(132, 8, 3, 8, short + 1), 11);
+        // Where a launch has fewer splits than a cluster already, or no clusters, no change.
+        assert_eq!(decode_splits_within(132, 32, 3, 8, 512), 3);
+        assert_eq!(decode_splits_within(132, 1, 8, 1, 512), 33);
     }
 
     #[test]

@@ -97,6 +97,9 @@ fn prefill_threads(head_dim: usize) -> u32 {
 /// that many splits merges them in the cluster's shared memory (`CLUSTER_SPLITS` in
 /// decode_attention.cu).
 pub const CLUSTER_SPLITS: usize = 8;
+/// The most positions a row may have to merge its splits in a cluster (decode_attention.cu's
+/// `CLUSTER_SPLITS · MIN_SPLIT_KEYS`).
+pub const CLUSTER_ROW_POSITIONS: usize = CLUSTER_SPLITS * 256;
 
 /// Dynamic shared memory of one prefill attention block: its query rows and its K and V tiles.
 fn prefill_shared_bytes(head_dim: usize) -> usize {

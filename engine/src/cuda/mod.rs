@@ -700,22 +700,23 @@ impl CudaBackend {
     /// decode_attention.cu, so each position merges the partial sums it would decoded alone)
     /// and sends every small projection to the gemv.
     fn decode_launch(&self, rows: usize, invariant: bool) -> (usize, usize) {
-        let (mp, bpr) = (
-            self.device.multiprocessors as usize,
-            self.attn_shape().decode_blocks_per_row(),
-        );
-        let cluster = self.decode_cluster();
         if invariant {
-            (
-                forward::decode_splits(mp, 1, bpr, cluster),
-                kernels::GEMV_MAX_TOKENS,
-            )
+            (self.decode_splits(1, usize::MAX), kernels::GEMV_MAX_TOKENS)
         } else {
-            (
-                forward::decode_splits(mp, rows, bpr, cluster),
-                self.gemv_max_tokens,
-            )
+            (self.decode_splits(rows, usize::MAX), self.gemv_max_tokens)
         }
+    }
+
+    /// Decode attention's splits for a launch of `rows` rows none of which reaches past
+    /// `longest` positions ([`forward::decode_splits_within`]).
+    fn decode_splits(&self, rows: usize, longest: usize) -> usize {
+        forward::decode_splits_within(
+            self.device.multiprocessors as usize,
+            rows,
+            self.attn_shape().decode_blocks_per_row(),
+            self.decode_cluster(),
+            longest,
+        )
     }
 
     /// Blocks a decode attention cluster has on this device (1: none).
@@ -785,12 +786,7 @@ impl CudaBackend {
         let mode = if decode {
             AttentionMode::Decode {
                 rows: layout.rows,
-                splits: forward::decode_splits(
-                    multiprocessors,
-                    layout.rows,
-                    shape.decode_blocks_per_row(),
-                    self.decode_cluster(),
-                ),
+                splits: self.decode_splits(layout.rows, longest_row(plan)),
                 append_first: false,
             }
         } else {
@@ -845,8 +841,15 @@ impl CudaBackend {
                 sample_params,
             },
         )?;
-        let (splits, gemv_max_tokens) =
+        let (mut splits, gemv_max_tokens) =
             self.decode_launch(bucket, append_first && self.verify_invariant(bucket));
+        // A decode step of rows short enough to merge in clusters has a graph of its own, with
+        // fewer splits (a verification keeps a lone row's: see `verify_invariant`).
+        let short_splits = self.decode_splits(bucket, longest_row(plan));
+        let short = !append_first && short_splits < splits;
+        if short {
+            splits = short_splits;
+        }
         // Out of `self` while replaying, so that `forward()` can borrow the rest of it.
         let mut graphs = self.graphs.take().expect("only called with graphs on");
         let forward = self.forward_with_gemv(gemv_max_tokens);
@@ -855,7 +858,8 @@ impl CudaBackend {
                 graphs::APPEND_FIRST
             } else {
                 0
-            };
+            }
+            + if short { graphs::SHORT_ROWS } else { 0 };
         let mut replay = || {
             graphs.replay(&self.device, key, || {
                 forward.run(
@@ -1544,4 +1548,9 @@ impl CudaBackend {
             .map(|(s, token)| s.as_ref().map(|_| token))
             .collect())
     }
+}
+
+/// The last position any row of `plan` reaches, plus one.
+fn longest_row(plan: &StepPlan) -> usize {
+    plan.rows.iter().map(|r| r.end_pos()).max().unwrap_or(0)
 }
