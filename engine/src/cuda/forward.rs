@@ -535,13 +535,22 @@ pub fn decode_splits(
     }
 }
 
+/// Decode attention blocks a multiprocessor holds at once, at least (`DECODE_MIN_BLOCKS` in
+/// decode_attention.cu).
+const DECODE_RESIDENT_BLOCKS: usize = 3;
+
 /// [`decode_splits`] for rows of at most `longest` positions. Rows short enough to merge
 /// their splits in a cluster ([`CLUSTER_ROW_POSITIONS`]) use at most a cluster's blocks
-/// whatever the launch has (`decode_row` in decode_attention.cu), so a launch of only such rows
-/// takes no more than that: a row's sums are the same, without the blocks that would find
-/// nothing to do, and a launch of a few rows that would have split each row over more blocks
-/// than a cluster, merging them through global memory, runs in clusters instead (H200,
-/// SmolLM2's shape at batch 8 × 512 positions, 11 splits → 8: +5–6% tok/s; BENCHMARKS.md).
+/// whatever the launch has (`decode_row` in decode_attention.cu), and merge them in shared
+/// memory only when the launch runs in clusters (its splits a multiple of the cluster's
+/// blocks). So a launch of only such rows takes a cluster of splits exactly, as long as its
+/// blocks fit the device in one wave, and no more than a cluster past that: a lone row's sums
+/// are the same without the blocks that found nothing to do, and a few rows that split over
+/// more blocks, or fewer, than a cluster, merging through global memory, merge in clusters
+/// instead. H200, SmolLM2's shape × 512 positions, tok/s: batch 4 and 8 +8.5% (22 and 11
+/// splits → 8), batch 12 and 16 +4% (4 and 6 → 8); at batch 24 and 32, two waves of
+/// clusters measured −13% against 3 and 2 splits, which they keep (BENCHMARKS.md). The rows
+/// of such a launch never use the split workspaces (their merge is in the cluster).
 pub fn decode_splits_within(
     multiprocessors: usize,
     rows: usize,
@@ -550,10 +559,12 @@ pub fn decode_splits_within(
     longest: usize,
 ) -> usize {
     let splits = decode_splits(multiprocessors, rows, blocks_per_row, cluster);
-    if cluster > 1 && longest <= CLUSTER_ROW_POSITIONS {
-        splits.min(cluster)
-    } else {
+    if cluster == 1 || longest > CLUSTER_ROW_POSITIONS {
         splits
+    } else if rows * blocks_per_row * cluster <= DECODE_RESIDENT_BLOCKS * multiprocessors {
+        cluster
+    } else {
+        splits.min(cluster)
     }
 }
 
@@ -622,13 +633,17 @@ mod tests {
     fn short_rows_take_a_cluster_of_splits_at_most() {
         // SmolLM2's shape (3 blocks a row) in clusters of 8: a lone short row launches 8 splits
         // instead of 88, 8 short rows one cluster each instead of 11 splits through global
-        // memory; a row past the cluster's reach keeps the launch of before.
+        // memory, 16 instead of 6; a row past the cluster's reach keeps the launch of before.
         let short = CLUSTER_ROW_POSITIONS;
         assert_eq!(decode_splits_within(132, 1, 3, 8, short), 8);
         assert_eq!(decode_splits_within(132, 1, 3, 8, short + 1), 88);
         assert_eq!(decode_splits_within(132, 8, 3, 8, 512), 8);
         assert_eq!(decode_splits_within(132, 8, 3, 8, short + 1), 11);
-        // Where a launch has fewer splits than a cluster already, or no clusters, no change.
+        assert_eq!(decode_splits_within(132, 16, 3, 8, 512), 8);
+        assert_eq!(decode_splits_within(132, 16, 3, 8, short + 1), 6);
+        // Past one wave of clusters the launch keeps its fewer splits; without clusters, no
+        // change.
+        assert_eq!(decode_splits_within(132, 17, 3, 8, 512), 6);
         assert_eq!(decode_splits_within(132, 32, 3, 8, 512), 3);
         assert_eq!(decode_splits_within(132, 1, 8, 1, 512), 33);
     }

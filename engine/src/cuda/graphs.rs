@@ -23,7 +23,7 @@ pub const BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 pub const APPEND_FIRST: usize = 1 << 20;
 
 /// Added to a bucket to key the graphs of decode steps whose rows are all short enough to
-/// merge their attention splits in a cluster (fewer splits launched).
+/// merge their attention splits in a cluster (a cluster's splits launched).
 pub const SHORT_ROWS: usize = 1 << 21;
 
 /// The smallest bucket holding `rows` rows, if any does and the step fits the workspaces.

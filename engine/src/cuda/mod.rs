@@ -843,10 +843,10 @@ impl CudaBackend {
         )?;
         let (mut splits, gemv_max_tokens) =
             self.decode_launch(bucket, append_first && self.verify_invariant(bucket));
-        // A decode step of rows short enough to merge in clusters has a graph of its own, with
-        // fewer splits (a verification keeps a lone row's: see `verify_invariant`).
+        // A decode step of rows short enough to merge in clusters has a graph of its own, with a
+        // cluster's splits (a verification keeps a lone row's: see `verify_invariant`).
         let short_splits = self.decode_splits(bucket, longest_row(plan));
-        let short = !append_first && short_splits < splits;
+        let short = !append_first && short_splits != splits;
         if short {
             splits = short_splits;
         }
