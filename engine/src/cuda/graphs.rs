@@ -18,13 +18,12 @@ use crate::error::Result;
 /// Batch sizes a decode graph is captured for.
 pub const BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 
-/// Added to a bucket to key the graphs of verifications run as decode steps, whose k and v are
-/// stored before attention (`AttentionMode::Decode::append_first`).
-pub const APPEND_FIRST: usize = 1 << 20;
-
-/// Added to a bucket to key the graphs of decode steps whose rows are all short enough to
-/// merge their attention splits in a cluster (a cluster's splits launched).
-pub const SHORT_ROWS: usize = 1 << 21;
+/// The key of a decode graph: its bucket, whether its rows are a verification's positions whose
+/// k and v are stored before attention (`AttentionMode::Decode::append_first`), and its
+/// attention's splits (fewer where every row is short: `forward::decode_splits_within`).
+pub fn key(bucket: usize, append_first: bool, splits: usize) -> usize {
+    bucket | (append_first as usize) << 20 | splits << 21
+}
 
 /// The smallest bucket holding `rows` rows, if any does and the step fits the workspaces.
 pub fn bucket(rows: usize, max_rows: usize) -> Option<usize> {
@@ -47,14 +46,14 @@ pub struct DecodeGraphs {
 }
 
 impl DecodeGraphs {
-    /// Replays the graph of `bucket`, first capturing `record` into it if it has none.
+    /// Replays the graph of `key` ([`key`]), first capturing `record` into it if it has none.
     pub fn replay(
         &mut self,
         device: &Device,
-        bucket: usize,
+        key: usize,
         record: impl FnOnce() -> Result<()>,
     ) -> Result<Replay> {
-        let (graph, captured) = match self.graphs.entry(bucket) {
+        let (graph, captured) = match self.graphs.entry(key) {
             Entry::Occupied(graph) => (graph.into_mut(), false),
             Entry::Vacant(slot) => {
                 let graph = capture(device, record)?;
@@ -106,4 +105,21 @@ pub(super) fn capture(device: &Device, record: impl FnOnce() -> Result<()>) -> R
     let graph = graph?.expect("a capture that recorded launches yields a graph");
     graph.upload()?;
     Ok(graph)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_bucket_kind_and_split_count_has_its_own_key() {
+        let mut keys = std::collections::HashSet::new();
+        for bucket in BUCKETS {
+            for append_first in [false, true] {
+                for splits in 1..=128 {
+                    assert!(keys.insert(key(bucket, append_first, splits)));
+                }
+            }
+        }
+    }
 }

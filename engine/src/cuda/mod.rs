@@ -694,16 +694,17 @@ impl CudaBackend {
         self.exact_verify && self.gemv_max_tokens >= 1 && positions <= kernels::GEMV_MAX_TOKENS
     }
 
-    /// Decode attention's splits and the gemv's token limit for a decode step of `rows` rows;
-    /// `invariant` (see [`CudaBackend::verify_invariant`]) splits each row as a lone one (the
-    /// kernel divides a row's keys by the launch's splits, `decode_row` in
-    /// decode_attention.cu, so each position merges the partial sums it would decoded alone)
-    /// and sends every small projection to the gemv.
-    fn decode_launch(&self, rows: usize, invariant: bool) -> (usize, usize) {
+    /// Decode attention's splits and the gemv's token limit for a decode step of `rows` rows
+    /// none of which reaches past `longest` positions; `invariant` (see
+    /// [`CudaBackend::verify_invariant`]) splits each row as a lone one (the kernel divides a
+    /// row's keys by the launch's splits, `decode_row` in decode_attention.cu, so each position
+    /// merges the partial sums it would decoded alone) and sends every small projection to the
+    /// gemv.
+    fn decode_launch(&self, rows: usize, longest: usize, invariant: bool) -> (usize, usize) {
         if invariant {
             (self.decode_splits(1, usize::MAX), kernels::GEMV_MAX_TOKENS)
         } else {
-            (self.decode_splits(rows, usize::MAX), self.gemv_max_tokens)
+            (self.decode_splits(rows, longest), self.gemv_max_tokens)
         }
     }
 
@@ -841,25 +842,22 @@ impl CudaBackend {
                 sample_params,
             },
         )?;
-        let (mut splits, gemv_max_tokens) =
-            self.decode_launch(bucket, append_first && self.verify_invariant(bucket));
-        // A decode step of rows short enough to merge in clusters has a graph of its own, with a
-        // cluster's splits (a verification keeps a lone row's: see `verify_invariant`).
-        let short_splits = self.decode_splits(bucket, longest_row(plan));
-        let short = !append_first && short_splits != splits;
-        if short {
-            splits = short_splits;
-        }
+        // A decode step of rows short enough to merge in clusters takes a cluster's splits, and
+        // so a graph of its own; a verification keeps the splits of before.
+        let longest = if append_first {
+            usize::MAX
+        } else {
+            longest_row(plan)
+        };
+        let (splits, gemv_max_tokens) = self.decode_launch(
+            bucket,
+            longest,
+            append_first && self.verify_invariant(bucket),
+        );
         // Out of `self` while replaying, so that `forward()` can borrow the rest of it.
         let mut graphs = self.graphs.take().expect("only called with graphs on");
         let forward = self.forward_with_gemv(gemv_max_tokens);
-        let key = bucket
-            + if append_first {
-                graphs::APPEND_FIRST
-            } else {
-                0
-            }
-            + if short { graphs::SHORT_ROWS } else { 0 };
+        let key = graphs::key(bucket, append_first, splits);
         let mut replay = || {
             graphs.replay(&self.device, key, || {
                 forward.run(
@@ -952,7 +950,7 @@ impl CudaBackend {
                     sample_params: &params,
                 },
             )?;
-            let (splits, gemv_max_tokens) = self.decode_launch(layout.rows, invariant);
+            let (splits, gemv_max_tokens) = self.decode_launch(layout.rows, usize::MAX, invariant);
             let forward = self.forward_with_gemv(gemv_max_tokens);
             forward.run(
                 layout.tokens,
