@@ -27,8 +27,14 @@ struct State<T> {
 
 struct Shared<T> {
     state: Mutex<State<T>>,
-    receiver_gone: AtomicBool,
+    receiver_gone: GoneFlag,
 }
+
+/// A flag on a cache line of its own: the scheduler reads it for every request every step,
+/// and beside the lock the caller's thread takes at every read it would be moved back and
+/// forth between their cores.
+#[repr(align(64))]
+struct GoneFlag(AtomicBool);
 
 pub(crate) struct Sender<T>(Arc<Shared<T>>);
 
@@ -41,7 +47,7 @@ pub(crate) fn channel<T>() -> (Sender<T>, Receiver<T>) {
             waker: None,
             sender_alive: true,
         }),
-        receiver_gone: AtomicBool::new(false),
+        receiver_gone: GoneFlag(AtomicBool::new(false)),
     });
     (Sender(shared.clone()), Receiver(shared))
 }
@@ -52,7 +58,7 @@ impl<T> Sender<T> {
     pub fn send(&self, value: T) -> Result<(), T> {
         let waker = {
             let mut state = self.0.state.lock();
-            if self.0.receiver_gone.load(Ordering::Relaxed) {
+            if self.0.receiver_gone.0.load(Ordering::Relaxed) {
                 return Err(value);
             }
             state.queue.push_back(value);
@@ -64,9 +70,23 @@ impl<T> Sender<T> {
         Ok(())
     }
 
+    /// Queues `value` for the receiver and leaves its waker in `wakes` for [`Waking`] to wake;
+    /// gives the value back if the receiver is gone.
+    pub fn send_later(&self, value: T, wakes: &mut Vec<Waker>) -> Result<(), T> {
+        let mut state = self.0.state.lock();
+        if self.0.receiver_gone.0.load(Ordering::Relaxed) {
+            return Err(value);
+        }
+        state.queue.push_back(value);
+        if let Some(waker) = state.waker.take() {
+            wakes.push(waker);
+        }
+        Ok(())
+    }
+
     /// Whether the receiver has been dropped (the caller went away).
     pub fn is_closed(&self) -> bool {
-        self.0.receiver_gone.load(Ordering::Acquire)
+        self.0.receiver_gone.0.load(Ordering::Acquire)
     }
 }
 
@@ -114,11 +134,94 @@ impl<T> Drop for Receiver<T> {
         // Under the lock, so that no send queues a value after the queue is emptied here.
         let undelivered = {
             let mut state = self.0.state.lock();
-            self.0.receiver_gone.store(true, Ordering::Release);
+            self.0.receiver_gone.0.store(true, Ordering::Release);
             state.waker = None;
             std::mem::take(&mut state.queue)
         };
         drop(undelivered);
+    }
+}
+
+/// A thread that wakes the receivers a step delivered to: the scheduler's thread hands it one
+/// list a step instead of waking each receiver itself. Waking a task that runs on another
+/// thread (an HTTP worker's) moves a few cache lines between cores, and a system call where
+/// that thread sleeps; at 256 requests a step that was a quarter of the scheduler's thread.
+/// The thread starts with the first list handed to it.
+#[derive(Default)]
+pub(crate) struct Waking {
+    thread: Option<WakeThread>,
+}
+
+struct WakeThread {
+    to_thread: std::sync::mpsc::Sender<Vec<Waker>>,
+    /// Lists the thread has emptied, for the next step's wakes.
+    back: std::sync::mpsc::Receiver<Vec<Waker>>,
+    handle: std::thread::JoinHandle<()>,
+}
+
+impl WakeThread {
+    fn spawn() -> std::io::Result<Self> {
+        let (to_thread, lists) = std::sync::mpsc::channel::<Vec<Waker>>();
+        let (give_back, back) = std::sync::mpsc::channel();
+        let handle = std::thread::Builder::new()
+            .name("snapserve-wakes".into())
+            .spawn(move || {
+                for mut wakes in lists {
+                    wakes.drain(..).for_each(Waker::wake);
+                    // The scheduler may be gone; the list is then dropped here.
+                    let _ = give_back.send(wakes);
+                }
+            })?;
+        Ok(WakeThread {
+            to_thread,
+            back,
+            handle,
+        })
+    }
+}
+
+impl Waking {
+    /// Wakes the receivers of `wakes` on the wake thread, leaving an empty list in its place;
+    /// on this thread where that thread could not be started.
+    pub fn wake(&mut self, wakes: &mut Vec<Waker>) {
+        if wakes.is_empty() {
+            return;
+        }
+        if self.thread.is_none() {
+            match WakeThread::spawn() {
+                Ok(thread) => self.thread = Some(thread),
+                Err(e) => {
+                    tracing::warn!("waking callers on the scheduler's thread: {e}");
+                    wakes.drain(..).for_each(Waker::wake);
+                    return;
+                }
+            }
+        }
+        let thread = self.thread.as_ref().expect("started above");
+        let empty = thread.back.try_recv().unwrap_or_default();
+        let full = std::mem::replace(wakes, empty);
+        if let Err(std::sync::mpsc::SendError(full)) = thread.to_thread.send(full) {
+            full.into_iter().for_each(Waker::wake);
+        }
+    }
+}
+
+impl Drop for Waking {
+    /// Every list handed over is woken before this returns.
+    fn drop(&mut self) {
+        if let Some(WakeThread {
+            to_thread, handle, ..
+        }) = self.thread.take()
+        {
+            drop(to_thread);
+            let _ = handle.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for Waking {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waking").finish_non_exhaustive()
     }
 }
 
@@ -196,6 +299,75 @@ mod tests {
         drop(rx);
         assert!(tx.is_closed());
         assert_eq!(tx.send(2), Err(2));
+    }
+
+    #[test]
+    fn wakes_handed_to_the_wake_thread_reach_receivers_on_another_thread() {
+        // Receivers parked on a real executor: each value sent with `send_later` arrives once
+        // its wake is handed over (the senders stay until every value is counted: their drop
+        // would wake the receivers by itself), and the end after it.
+        let received = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = received.clone();
+        let senders_and_receivers: Vec<_> = (0..8).map(|_| channel::<u32>()).collect();
+        let (senders, receivers): (Vec<_>, Vec<_>) = senders_and_receivers.into_iter().unzip();
+        let readers = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let local = tokio::task::LocalSet::new();
+                local
+                    .run_until(async move {
+                        let tasks: Vec<_> = receivers
+                            .into_iter()
+                            .map(|mut rx| {
+                                let counted = counted.clone();
+                                tokio::task::spawn_local(async move {
+                                    let mut got = Vec::new();
+                                    while let Some(v) = rx.recv().await {
+                                        got.push(v);
+                                        counted.fetch_add(1, Ordering::SeqCst);
+                                    }
+                                    got
+                                })
+                            })
+                            .collect();
+                        let mut all = Vec::new();
+                        for task in tasks {
+                            all.push(task.await.unwrap());
+                        }
+                        all
+                    })
+                    .await
+            })
+        });
+        let mut waking = Waking::default();
+        let mut wakes = Vec::new();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        for step in 0..200 {
+            for tx in &senders {
+                tx.send_later(step, &mut wakes).unwrap();
+            }
+            waking.wake(&mut wakes);
+            assert!(wakes.is_empty());
+            // Each step's values are read before the next is sent: the receivers wait each
+            // time, and only a wake brings them back.
+            while received.load(Ordering::SeqCst) < 8 * (step as usize + 1) {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{} of {} values arrived: a wake was lost",
+                    received.load(Ordering::SeqCst),
+                    8 * (step + 1)
+                );
+                std::thread::yield_now();
+            }
+        }
+        drop(senders);
+        let got = readers.join().unwrap();
+        assert_eq!(got.len(), 8);
+        for values in got {
+            assert_eq!(values, (0..200).collect::<Vec<_>>());
+        }
     }
 
     #[test]

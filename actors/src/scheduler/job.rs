@@ -225,7 +225,12 @@ impl Job {
 
     /// Sends the caller the tokens of one step, in one channel operation, with their
     /// log-probabilities when the request asked for them (then one per token).
-    pub fn emit_tokens(&self, tokens: &[u32], logprobs: Vec<TokenLogprobs>) {
+    pub fn emit_tokens(
+        &self,
+        tokens: &[u32],
+        logprobs: Vec<TokenLogprobs>,
+        wakes: &mut Vec<std::task::Waker>,
+    ) {
         let delivery = match tokens {
             [] => return,
             _ if !logprobs.is_empty() => Delivery::Scored(logprobs),
@@ -233,7 +238,7 @@ impl Job {
             tokens => Delivery::Tokens(tokens.to_vec()),
         };
         // A closed channel is a cancelled request; the next sweep removes it.
-        let _ = self.events.send(delivery);
+        let _ = self.events.send_later(delivery, wakes);
     }
 
     pub fn finish(self, reason: FinishReason) {

@@ -212,6 +212,9 @@ pub struct Scheduler {
     demotions_in_flight: usize,
     /// When the next step collecting copies between tiers is due.
     next_poll: Instant,
+    /// The callers this step delivered tokens to, woken together once it is applied.
+    wakes: Vec<std::task::Waker>,
+    waking: crate::mailbox::Waking,
 }
 
 /// How often an idle scheduler asks the engine whether its demotions have landed.
@@ -252,6 +255,8 @@ impl Scheduler {
             draining: false,
             demotions_in_flight: 0,
             next_poll: Instant::now(),
+            wakes: Vec::new(),
+            waking: crate::mailbox::Waking::default(),
             config,
         }
     }

@@ -1165,7 +1165,7 @@ impl Scheduler {
         let eos = &self.config.eos_token_ids;
         let reason = engine::stop::finish_after(params, eos, token, 1, job.max_new);
         job.tokens.push(token);
-        job.emit_tokens(&[token], logprobs);
+        job.emit_tokens(&[token], logprobs, &mut self.wakes);
         self.stats.generated_tokens += 1;
         reason.map(End::Finished)
     }
@@ -1538,6 +1538,7 @@ impl Scheduler {
         ended.append(&mut draft.first_ends);
         ended.retain(|(index, _)| *index != GONE);
         self.remove_ended(ended, &draft.preempting, &draft.closed, now);
+        self.waking.wake(&mut self.wakes);
         let (ready, wake_at) = self.readiness(now);
         if !did_work {
             self.stats.idle_steps += 1;
@@ -1805,7 +1806,7 @@ impl Scheduler {
             }
             let job = &self.running[row.job];
             logprobs.truncate(job.tokens.len() - before);
-            job.emit_tokens(&job.tokens[before..], logprobs);
+            job.emit_tokens(&job.tokens[before..], logprobs, &mut self.wakes);
             self.stats.generated_tokens += (job.tokens.len() - before) as u64;
             if row.draft > 0 {
                 self.verified(row, tokens.len() - 1);
