@@ -211,9 +211,10 @@ pub(super) struct Draft {
     changes: usize,
     /// Once sent: its number, which the engine's answer carries.
     pub(super) id: u64,
-    /// Once sent: every running job's id and epoch, by index, to find them again when the
-    /// answer comes (jobs may have left `running` meanwhile).
-    refs: Vec<(RequestId, u32)>,
+    /// Once sent, and `running` changed before its answer came: every running job's id and
+    /// epoch, by index, as they were when it was sent, to find them again. Kept at the first
+    /// change ([`Scheduler::keep_refs`]); until then its indices hold as they are.
+    refs: Option<Vec<(RequestId, u32)>>,
     /// It runs one decode step a row and verifies no draft: the next step may be planned
     /// before it answers.
     pub(super) plain: bool,
@@ -547,6 +548,7 @@ impl Scheduler {
                 index += 1;
                 continue;
             }
+            self.keep_refs();
             let mut job = self.running.remove(index);
             swept += 1;
             self.release_forks(job.id);
@@ -1380,7 +1382,6 @@ impl Scheduler {
         draft.plain = !multi_step && !verify;
         draft.verifies = verify;
         self.stats.planned_ahead += !self.sent.is_empty() as u64;
-        draft.refs = self.running.iter().map(|job| (job.id, job.epoch)).collect();
         self.sent.push_back(draft);
         Some(step)
     }
@@ -1553,10 +1554,10 @@ impl Scheduler {
     /// the jobs that left it since, or whose epoch moved on, become [`GONE`] (and leave the
     /// lists that only name jobs).
     fn rebase(&self, draft: &mut Draft) {
-        if draft.refs.is_empty() {
+        let Some(refs) = draft.refs.take() else {
             return;
-        }
-        let now = self.current_indices(&draft.refs);
+        };
+        let now = self.current_indices(&refs);
         let at = |index: usize| now.get(index).copied().flatten().unwrap_or(GONE);
         for row in &mut draft.rows {
             row.job = at(row.job);
@@ -1582,6 +1583,16 @@ impl Scheduler {
         }
         draft.preempting.retain(|&index| index != GONE);
         draft.closed.retain(|&index| index != GONE);
+    }
+
+    /// Called before a job leaves `running` or its epoch moves on: each step in flight that
+    /// has not kept its jobs' ids and epochs keeps them now, as they were when it was sent
+    /// (only jobs joined since, at the end, are new, and no row of it names them). A step of
+    /// 256 rows no longer copies them all when nothing changes, as most decode steps.
+    pub(super) fn keep_refs(&mut self) {
+        for draft in self.sent.iter_mut().filter(|d| d.refs.is_none()) {
+            draft.refs = Some(self.running.iter().map(|job| (job.id, job.epoch)).collect());
+        }
     }
 
     /// Where each job of `refs` (`running` as it was) is now, if it is still there at the
@@ -1878,6 +1889,7 @@ impl Scheduler {
     /// A job whose restored or forked KV was refused: it computes its prompt from the start
     /// in the pages it holds, and reports no cached tokens.
     fn recompute(&mut self, index: usize) {
+        self.keep_refs();
         let job = &mut self.running[index];
         self.stats.restored_tokens = self
             .stats
@@ -1927,6 +1939,7 @@ impl Scheduler {
                 self.close(index, reason, now);
                 continue;
             }
+            self.keep_refs();
             let mut job = self.running.remove(index);
             if let Some(slot) = job.slot.take() {
                 self.releases.push(slot.handle);
@@ -1970,6 +1983,7 @@ impl Scheduler {
 
     /// Answers the finished job `index` now and keeps its pages for its reply's save.
     fn close(&mut self, index: usize, reason: FinishReason, now: Instant) {
+        self.keep_refs();
         let job = &mut self.running[index];
         job.announce_finish(reason);
         job.closing = true;
