@@ -22,8 +22,13 @@ pub(crate) struct Slot {
     pub handle: SlotHandle,
     /// The page table, as the pool last reported it.
     pub pages: Vec<PageId>,
-    /// Positions the pool has allocated for the job.
+    /// Positions the job may write: those the pool counts, and those taken since inside the
+    /// last of its pages.
     pub held_tokens: usize,
+    /// Positions the pool counts for the job. A row that stays inside the job's last page
+    /// takes its positions without asking the pool, which counts them with the next
+    /// extension: a decode step needs the pool once a page, not once a token.
+    pub pooled_tokens: usize,
     /// Changes whenever `pages` changes other than by growing (a new slot, a cut): a copy of
     /// a table of the same version is a head of this one.
     pub version: u64,

@@ -471,6 +471,14 @@ impl World {
                     return 0;
                 };
                 assert_eq!(pool.page_table(slot.handle).unwrap(), slot.pages.as_slice());
+                // Positions taken inside its last page without the pool are inside its pages.
+                let pt = self.scheduler.config.page_tokens;
+                assert!(
+                    slot.held_tokens <= slot.pages.len() * pt,
+                    "holds {} positions in {} pages",
+                    slot.held_tokens,
+                    slot.pages.len()
+                );
                 slot.pages.len()
             })
             .sum();

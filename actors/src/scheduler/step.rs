@@ -765,18 +765,25 @@ impl Scheduler {
             ops.push(PoolOp::Release(handle));
             draft.pool_purposes.push(PoolPurpose::Release);
         }
+        let pt = self.config.page_tokens;
         for (r, row) in draft.rows.iter().enumerate() {
             let slot = self.running[row.job]
                 .slot
-                .as_ref()
+                .as_mut()
                 .expect("running jobs hold a slot");
-            if row.reach() > slot.held_tokens {
-                ops.push(PoolOp::Extend {
-                    handle: slot.handle,
-                    tokens: row.reach() - slot.held_tokens,
-                });
-                draft.pool_purposes.push(PoolPurpose::Extend(r));
+            let reach = row.reach();
+            if reach <= slot.held_tokens {
+                continue;
             }
+            if reach <= slot.pages.len() * pt {
+                slot.held_tokens = reach;
+                continue;
+            }
+            ops.push(PoolOp::Extend {
+                handle: slot.handle,
+                tokens: reach - slot.pooled_tokens,
+            });
+            draft.pool_purposes.push(PoolPurpose::Extend(r));
         }
         // A job whose prefix is on its way back from disk waits in the queue; the rest are
         // admitted.
@@ -894,13 +901,12 @@ impl Scheduler {
                     match result {
                         Ok((handle, pages)) => {
                             let restored = candidate.pinned.as_ref().map_or(0, |p| p.tokens());
+                            let held_tokens =
+                                initial_tokens(&candidate.job, restored, candidate.first);
                             let slot = Slot {
                                 handle,
-                                held_tokens: initial_tokens(
-                                    &candidate.job,
-                                    restored,
-                                    candidate.first,
-                                ),
+                                held_tokens,
+                                pooled_tokens: held_tokens,
                                 pages,
                                 version: self.table_version(),
                             };
@@ -931,9 +937,11 @@ impl Scheduler {
                         forks[f].take().expect("each fork is admitted once");
                     match result {
                         Ok((handle, pages)) => {
+                            let held_tokens = job.tokens.len() - 1 + runs_now as usize;
                             let slot = Slot {
                                 handle,
-                                held_tokens: job.tokens.len() - 1 + runs_now as usize,
+                                held_tokens,
+                                pooled_tokens: held_tokens,
                                 pages,
                                 version: self.table_version(),
                             };
@@ -994,6 +1002,7 @@ impl Scheduler {
                 let slot = job.slot.as_mut().expect("running jobs hold a slot");
                 slot.pages.extend(pages);
                 slot.held_tokens = row.reach();
+                slot.pooled_tokens = row.reach();
                 job.backoff.on_progress();
             }
             Err(CacheError::ContextFull {
@@ -1865,6 +1874,11 @@ impl Scheduler {
             return;
         }
         slot.held_tokens = tokens;
+        // Positions inside its last page the pool never counted are given back here alone.
+        if slot.pooled_tokens <= tokens {
+            return;
+        }
+        slot.pooled_tokens = tokens;
         slot.pages.truncate(tokens.div_ceil(pt));
         slot.version = self.next_table_version;
         self.next_table_version += 1;

@@ -690,6 +690,7 @@ fn run_repeating(toml: &str, max_tokens: usize) -> (Vec<u32>, super::SchedulerSt
     prompt[10] = 7;
     let mut stream = h.submit_exactly(prompt, max_tokens);
     let mut out = Vec::new();
+    let pt = h.scheduler.config.page_tokens;
     for _ in 0..4 * max_tokens {
         h.step();
         for job in &h.scheduler.running {
@@ -704,7 +705,16 @@ fn run_repeating(toml: &str, max_tokens: usize) -> (Vec<u32>, super::SchedulerSt
                 slot.held_tokens <= job.tokens.len(),
                 "holds past its tokens"
             );
-            assert_eq!(pooled, slot.held_tokens, "the pool and the job disagree");
+            assert_eq!(pooled, slot.pooled_tokens, "the pool and the job disagree");
+            assert!(
+                pooled <= slot.held_tokens && slot.held_tokens <= slot.pages.len() * pt,
+                "holds positions outside its pages"
+            );
+            assert_eq!(
+                slot.pages.len(),
+                pooled.div_ceil(pt),
+                "the pool's count needs other pages"
+            );
         }
         let (tokens, end) = tokens(&mut stream);
         out.extend(tokens);
