@@ -602,7 +602,7 @@ impl Scheduler {
     /// ([`Scheduler::prefill_budget`]); what they leave is returned, for the first chunks of
     /// the jobs admitted this step.
     fn plan_rows(&self, now: Instant, drafted: &mut Vec<u32>) -> (Vec<Row>, usize) {
-        let mut rows = Vec::new();
+        let mut rows = Vec::with_capacity(self.running.len());
         let ready = |job: &Job| job.ready(now) && job.pending() > 0;
         let mut decode_budget = self.config.step_token_budget;
         for (index, job) in self.running.iter().enumerate() {
