@@ -147,10 +147,16 @@ impl<T> Drop for Receiver<T> {
 /// thread (an HTTP worker's) moves a few cache lines between cores, and a system call where
 /// that thread sleeps; at 256 requests a step that was a quarter of the scheduler's thread.
 /// The thread starts with the first list handed to it.
+///
+/// A hand-over costs a channel send and, the wake thread asleep, a system call (a few µs on
+/// a VM), and a hop's delay to each token: a step of few requests wakes them itself.
 #[derive(Default)]
 pub(crate) struct Waking {
     thread: Option<WakeThread>,
 }
+
+/// The fewest wakes a step hands to the wake thread.
+const WAKE_THREAD_FROM: usize = 16;
 
 struct WakeThread {
     to_thread: std::sync::mpsc::Sender<Vec<Waker>>,
@@ -181,10 +187,11 @@ impl WakeThread {
 }
 
 impl Waking {
-    /// Wakes the receivers of `wakes` on the wake thread, leaving an empty list in its place;
-    /// on this thread where that thread could not be started.
+    /// Wakes the receivers of `wakes`, leaving an empty list in its place: a few on this
+    /// thread, more on the wake thread (on this one where that thread could not be started).
     pub fn wake(&mut self, wakes: &mut Vec<Waker>) {
-        if wakes.is_empty() {
+        if wakes.len() < WAKE_THREAD_FROM {
+            wakes.drain(..).for_each(Waker::wake);
             return;
         }
         if self.thread.is_none() {
@@ -302,13 +309,25 @@ mod tests {
     }
 
     #[test]
+    fn a_step_of_few_wakes_wakes_them_itself() {
+        let count = Arc::new(Count(Default::default()));
+        let mut wakes: Vec<Waker> = (0..3).map(|_| Waker::from(count.clone())).collect();
+        let mut waking = Waking::default();
+        waking.wake(&mut wakes);
+        assert!(wakes.is_empty());
+        assert_eq!(count.0.load(Ordering::SeqCst), 3);
+        assert!(waking.thread.is_none(), "no thread for a few wakes");
+    }
+
+    #[test]
     fn wakes_handed_to_the_wake_thread_reach_receivers_on_another_thread() {
         // Receivers parked on a real executor: each value sent with `send_later` arrives once
         // its wake is handed over (the senders stay until every value is counted: their drop
         // would wake the receivers by itself), and the end after it.
+        const RECEIVERS: usize = WAKE_THREAD_FROM;
         let received = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counted = received.clone();
-        let senders_and_receivers: Vec<_> = (0..8).map(|_| channel::<u32>()).collect();
+        let senders_and_receivers: Vec<_> = (0..RECEIVERS).map(|_| channel::<u32>()).collect();
         let (senders, receivers): (Vec<_>, Vec<_>) = senders_and_receivers.into_iter().unzip();
         let readers = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -352,19 +371,20 @@ mod tests {
             assert!(wakes.is_empty());
             // Each step's values are read before the next is sent: the receivers wait each
             // time, and only a wake brings them back.
-            while received.load(Ordering::SeqCst) < 8 * (step as usize + 1) {
+            while received.load(Ordering::SeqCst) < RECEIVERS * (step as usize + 1) {
                 assert!(
                     std::time::Instant::now() < deadline,
                     "{} of {} values arrived: a wake was lost",
                     received.load(Ordering::SeqCst),
-                    8 * (step + 1)
+                    RECEIVERS * (step as usize + 1)
                 );
                 std::thread::yield_now();
             }
         }
         drop(senders);
         let got = readers.join().unwrap();
-        assert_eq!(got.len(), 8);
+        assert_eq!(got.len(), RECEIVERS);
+        assert!(waking.thread.is_some(), "the lists went to the wake thread");
         for values in got {
             assert_eq!(values, (0..200).collect::<Vec<_>>());
         }
