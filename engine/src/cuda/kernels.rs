@@ -1087,6 +1087,87 @@ mod tests {
         assert!(decode_shared_bytes(128, 0, 1) >= dense);
     }
 
+    /// Each `__global__` function's parameters, by name, as its source declares them (macro
+    /// line continuations removed; `__launch_bounds__(...)` skipped).
+    fn kernel_parameters(source: &str) -> Vec<(String, usize)> {
+        let source = source.replace("\\\n", " ");
+        let bytes = source.as_bytes();
+        // The index just past the parenthesis matching the one at `open`.
+        let close = |open: usize| {
+            let mut depth = 0;
+            for (i, &c) in bytes.iter().enumerate().skip(open) {
+                match c {
+                    b'(' => depth += 1,
+                    b')' if depth == 1 => return i + 1,
+                    b')' => depth -= 1,
+                    _ => {}
+                }
+            }
+            panic!("an unclosed parenthesis in a kernel's declaration");
+        };
+        let mut kernels = Vec::new();
+        for (at, _) in source.match_indices("__global__") {
+            let mut from = at + "__global__".len();
+            loop {
+                let open = from + source[from..].find('(').expect("a parameter list");
+                let name = source[from..open]
+                    .split_whitespace()
+                    .last()
+                    .unwrap_or("")
+                    .to_string();
+                let end = close(open);
+                if name == "__launch_bounds__" {
+                    from = end;
+                    continue;
+                }
+                let list = &source[open + 1..end - 1];
+                let mut depth = 0i32;
+                let mut count = usize::from(!list.trim().is_empty());
+                for c in list.chars() {
+                    match c {
+                        '(' | '<' | '[' => depth += 1,
+                        ')' | '>' | ']' => depth -= 1,
+                        ',' if depth == 0 => count += 1,
+                        _ => {}
+                    }
+                }
+                kernels.push((name, count));
+                break;
+            }
+        }
+        kernels
+    }
+
+    /// A launch packs at most `MAX_ARGS` arguments and finds out only on the GPU: a kernel
+    /// declared with more fails here, on any machine.
+    #[test]
+    fn every_kernel_takes_no_more_arguments_than_a_launch_packs() {
+        let max = super::super::device::MAX_ARGS;
+        let mut seen = 0;
+        for (file, source) in super::SOURCES {
+            for (name, count) in kernel_parameters(source) {
+                seen += 1;
+                assert!(
+                    count <= max,
+                    "{file}: kernel {name} takes {count} arguments; a launch packs at most {max}"
+                );
+            }
+        }
+        assert!(
+            seen >= 17,
+            "found only {seen} kernels: the parser missed some"
+        );
+        // The parser itself, on a declaration shaped like the macros' and one over the limit.
+        let probe = "extern \"C\" __global__ void __launch_bounds__(4 * 32) \\\n    k(const T<a, b>* x, u32 n) {}\n\
+                     __global__ void wide(int a, int b, int c, int d, int e, int f, int g, int h, \
+                     int i, int j, int k, int l, int m, int n, int o, int p, int q, int r, int s, \
+                     int t, int u, int v, int w, int x, int y) {}";
+        assert_eq!(
+            kernel_parameters(probe),
+            vec![("k".to_string(), 2), ("wide".to_string(), 25)]
+        );
+    }
+
     /// Runs where NVRTC is installed, GPU or not: a syntax check of every kernel. With
     /// `PTX_OUT=FILE` the PTX is written there, for `ptxas -v` to report registers and spills.
     #[test]
