@@ -985,6 +985,8 @@ impl Scheduler {
             .map(|(_, _, clones)| std::mem::take(clones))
             .collect();
         self.plan_save_copies(&mut draft, &mut step, &admitted_at);
+        // First tokens picked from kept logits go out now, not with the step's answer.
+        self.waking.wake(&mut self.wakes);
         self.plan_rows_sent(draft, step)
     }
 

@@ -895,6 +895,51 @@ fn a_repeated_prompt_s_first_token_comes_from_its_kept_logits_before_any_forward
 }
 
 #[test]
+fn a_first_token_from_kept_logits_wakes_its_reader_before_the_step_runs() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Context, Poll, Wake, Waker};
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let mut h = Harness::new(64, "");
+    let prompt: Vec<u32> = (0..70u32).map(|i| 3 + (i * 13) % 200).collect();
+    run_prompt(&mut h, &prompt, &greedy_exactly(8));
+    let mut stream = h.submit_exactly(prompt, 8);
+    // The reader waits, as a response stream does.
+    let count = Arc::new(Count(AtomicUsize::new(0)));
+    let waker = Waker::from(count.clone());
+    {
+        let next = std::pin::pin!(stream.next());
+        assert!(next.poll(&mut Context::from_waker(&waker)).is_pending());
+    }
+    let Harness {
+        scheduler,
+        pool,
+        store,
+        engine,
+        ..
+    } = &mut h;
+    let step = plan_step(scheduler, pool, store, engine, |_, _, _| {});
+    assert_eq!(scheduler.stats().first_tokens_from_kept_logits, 1);
+    assert_eq!(
+        count.0.load(Ordering::SeqCst),
+        1,
+        "woken when the token was picked, before the engine step that follows it"
+    );
+    let reply = step.map(|s| engine.run(s));
+    scheduler.finish_step(reply, Instant::now());
+    let next = std::pin::pin!(stream.next());
+    assert!(matches!(
+        next.poll(&mut Context::from_waker(&waker)),
+        Poll::Ready(Some(Event::Token(_)))
+    ));
+}
+
+#[test]
 fn a_page_aligned_repeat_runs_its_first_token_as_a_decode_row() {
     let mut h = Harness::new(64, "");
     let prompt: Vec<u32> = (0..64u32).map(|i| 3 + (i * 17) % 200).collect();
