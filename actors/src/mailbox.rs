@@ -5,7 +5,10 @@
 //! token a request: a lock over a queue and the receiver's waker, taken once a send and once a
 //! read, and a flag the scheduler's sweep reads without the lock to see a caller gone. (tokio's
 //! unbounded channel, which this replaces, costs twice the time a token in a loop over 256 of them,
-//! and its queue's blocks, 32 slots each, are allocated and freed as tokens pass.)
+//! and its queue's blocks, 32 slots each, are allocated and freed as tokens pass.) A step's token
+//! deliveries ([`Sender::send_later`]) leave the waiting receivers' wakers in a list that
+//! [`Waking`] wakes, from a thread of its own when the step has many: the scheduler's thread
+//! does not wake hundreds of tasks on other threads itself.
 //!
 //! Closing: dropping the sender ends the stream once its queue is read; dropping the receiver
 //! makes [`Sender::is_closed`] true and every later send return its value.
