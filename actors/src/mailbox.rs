@@ -59,32 +59,29 @@ impl<T> Sender<T> {
     /// Queues `value` for the receiver and wakes it; gives the value back if the receiver is
     /// gone.
     pub fn send(&self, value: T) -> Result<(), T> {
-        let waker = {
-            let mut state = self.0.state.lock();
-            if self.0.receiver_gone.0.load(Ordering::Relaxed) {
-                return Err(value);
-            }
-            state.queue.push_back(value);
-            state.waker.take()
-        };
-        if let Some(waker) = waker {
+        if let Some(waker) = self.queue(value)? {
             waker.wake();
         }
         Ok(())
     }
 
-    /// Queues `value` for the receiver and leaves its waker in `wakes` for [`Waking`] to wake;
-    /// gives the value back if the receiver is gone.
-    pub fn send_later(&self, value: T, wakes: &mut Vec<Waker>) -> Result<(), T> {
+    /// Queues `value` for the receiver and leaves its waker with `waking`, which wakes it with
+    /// the rest of the step's ([`Waking::wake`]); gives the value back if the receiver is gone.
+    pub fn send_later(&self, value: T, waking: &mut Waking) -> Result<(), T> {
+        if let Some(waker) = self.queue(value)? {
+            waking.pending.push(waker);
+        }
+        Ok(())
+    }
+
+    /// Queues `value`, returning the receiver's waker if it waits.
+    fn queue(&self, value: T) -> Result<Option<Waker>, T> {
         let mut state = self.0.state.lock();
         if self.0.receiver_gone.0.load(Ordering::Relaxed) {
             return Err(value);
         }
         state.queue.push_back(value);
-        if let Some(waker) = state.waker.take() {
-            wakes.push(waker);
-        }
-        Ok(())
+        Ok(state.waker.take())
     }
 
     /// Whether the receiver has been dropped (the caller went away).
@@ -155,6 +152,8 @@ impl<T> Drop for Receiver<T> {
 /// a VM), and a hop's delay to each token: a step of few requests wakes them itself.
 #[derive(Default)]
 pub(crate) struct Waking {
+    /// The wakers of the step's deliveries so far ([`Sender::send_later`]).
+    pending: Vec<Waker>,
     thread: Option<WakeThread>,
 }
 
@@ -190,9 +189,10 @@ impl WakeThread {
 }
 
 impl Waking {
-    /// Wakes the receivers of `wakes`, leaving an empty list in its place: a few on this
-    /// thread, more on the wake thread (on this one where that thread could not be started).
-    pub fn wake(&mut self, wakes: &mut Vec<Waker>) {
+    /// Wakes the receivers delivered to since the last call: a few on this thread, more on
+    /// the wake thread (on this one where that thread could not be started).
+    pub fn wake(&mut self) {
+        let wakes = &mut self.pending;
         if wakes.len() < WAKE_THREAD_FROM {
             wakes.drain(..).for_each(Waker::wake);
             return;
@@ -314,10 +314,10 @@ mod tests {
     #[test]
     fn a_step_of_few_wakes_wakes_them_itself() {
         let count = Arc::new(Count(Default::default()));
-        let mut wakes: Vec<Waker> = (0..3).map(|_| Waker::from(count.clone())).collect();
         let mut waking = Waking::default();
-        waking.wake(&mut wakes);
-        assert!(wakes.is_empty());
+        waking.pending = (0..3).map(|_| Waker::from(count.clone())).collect();
+        waking.wake();
+        assert!(waking.pending.is_empty());
         assert_eq!(count.0.load(Ordering::SeqCst), 3);
         assert!(waking.thread.is_none(), "no thread for a few wakes");
     }
@@ -364,14 +364,13 @@ mod tests {
             })
         });
         let mut waking = Waking::default();
-        let mut wakes = Vec::new();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         for step in 0..200 {
             for tx in &senders {
-                tx.send_later(step, &mut wakes).unwrap();
+                tx.send_later(step, &mut waking).unwrap();
             }
-            waking.wake(&mut wakes);
-            assert!(wakes.is_empty());
+            waking.wake();
+            assert!(waking.pending.is_empty());
             // Each step's values are read before the next is sent: the receivers wait each
             // time, and only a wake brings them back.
             while received.load(Ordering::SeqCst) < RECEIVERS * (step as usize + 1) {

@@ -234,7 +234,7 @@ impl Job {
         &self,
         tokens: &[u32],
         logprobs: Vec<TokenLogprobs>,
-        wakes: &mut Vec<std::task::Waker>,
+        waking: &mut crate::mailbox::Waking,
     ) {
         let delivery = match tokens {
             [] => return,
@@ -243,7 +243,7 @@ impl Job {
             tokens => Delivery::Tokens(tokens.to_vec()),
         };
         // A closed channel is a cancelled request; the next sweep removes it.
-        let _ = self.events.send_later(delivery, wakes);
+        let _ = self.events.send_later(delivery, waking);
     }
 
     pub fn finish(self, reason: FinishReason) {

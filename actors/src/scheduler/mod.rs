@@ -213,7 +213,6 @@ pub struct Scheduler {
     /// When the next step collecting copies between tiers is due.
     next_poll: Instant,
     /// The callers this step delivered tokens to, woken together once it is applied.
-    wakes: Vec<std::task::Waker>,
     waking: crate::mailbox::Waking,
 }
 
@@ -255,7 +254,6 @@ impl Scheduler {
             draining: false,
             demotions_in_flight: 0,
             next_poll: Instant::now(),
-            wakes: Vec::new(),
             waking: crate::mailbox::Waking::default(),
             config,
         }

@@ -986,7 +986,7 @@ impl Scheduler {
             .collect();
         self.plan_save_copies(&mut draft, &mut step, &admitted_at);
         // First tokens picked from kept logits go out now, not with the step's answer.
-        self.waking.wake(&mut self.wakes);
+        self.waking.wake();
         self.plan_rows_sent(draft, step)
     }
 
@@ -1178,7 +1178,7 @@ impl Scheduler {
         let eos = &self.config.eos_token_ids;
         let reason = engine::stop::finish_after(params, eos, token, 1, job.max_new);
         job.tokens.push(token);
-        job.emit_tokens(&[token], logprobs, &mut self.wakes);
+        job.emit_tokens(&[token], logprobs, &mut self.waking);
         self.stats.generated_tokens += 1;
         reason.map(End::Finished)
     }
@@ -1556,7 +1556,7 @@ impl Scheduler {
         ended.append(&mut draft.first_ends);
         ended.retain(|(index, _)| *index != GONE);
         self.remove_ended(ended, &draft.preempting, &draft.closed, now);
-        self.waking.wake(&mut self.wakes);
+        self.waking.wake();
         let (ready, wake_at) = self.readiness(now);
         if !did_work {
             self.stats.idle_steps += 1;
@@ -1834,7 +1834,7 @@ impl Scheduler {
             }
             let job = &self.running[row.job];
             logprobs.truncate(job.tokens.len() - before);
-            job.emit_tokens(&job.tokens[before..], logprobs, &mut self.wakes);
+            job.emit_tokens(&job.tokens[before..], logprobs, &mut self.waking);
             self.stats.generated_tokens += (job.tokens.len() - before) as u64;
             if row.draft > 0 {
                 self.verified(row, tokens.len() - 1);
