@@ -16,11 +16,14 @@
 //! time the actors' thread spent a step (the scheduler's messages, planning and bookkeeping,
 //! and the readers when they share it): what must fit under the engine's step for planning
 //! to stay hidden behind it, while the wall-clock figure also holds the waits of a step's
-//! hand-offs between threads, which a real engine's step overlaps.
+//! hand-offs between threads, which a real engine's step overlaps. The last two columns take
+//! the scheduler's part apart, both ways: µs a step in `begin_step`, `plan_pool`,
+//! `plan_engine` and `finish_step` ([`Phase`]); through the actors, what is left of the
+//! thread's time is the messages, the actix machinery and the readers.
 
 use std::time::{Duration, Instant};
 
-use actors::scheduler::Scheduler;
+use actors::scheduler::{Phase, Scheduler};
 use actors::{GenerateRequest, Parts, ServeConfig};
 use cache::{BackingId, KvGeometry, PageClone, PageCopy, Tier};
 use engine::EngineError;
@@ -152,7 +155,7 @@ fn requests(batch: usize) -> impl Iterator<Item = GenerateRequest> {
 
 /// The same step loop as the `Admission` actor's, on one thread with no messages: the planning
 /// and bookkeeping alone.
-fn measure_inline(batch: usize, decode_steps: usize) -> Duration {
+fn measure_inline(batch: usize, decode_steps: usize) -> (Duration, Phases) {
     let (backend, config) = setup(batch, decode_steps, false);
     let Parts {
         mut scheduler,
@@ -191,12 +194,15 @@ fn measure_inline(batch: usize, decode_steps: usize) -> Duration {
         drain(&mut streams);
     }
     let (start, first) = (Instant::now(), scheduler.stats().generated_tokens);
+    let phases_before = scheduler.stats().phase_nanos;
     while scheduler.stats().generated_tokens - first < WINDOW_STEPS * batch as u64 {
         step(&mut scheduler);
         drain(&mut streams);
     }
     let decoded = (scheduler.stats().generated_tokens - first) / batch as u64;
-    start.elapsed() / decoded as u32
+    let elapsed = start.elapsed();
+    let phases = Phases::between(phases_before, scheduler.stats().phase_nanos, decoded);
+    (elapsed / decoded as u32, phases)
 }
 
 /// Processor time this thread has used.
@@ -211,9 +217,9 @@ fn thread_cpu_time() -> Duration {
     Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
-/// Wall-clock time a decode step through the actors, and the actors' thread's processor time a
-/// step.
-async fn measure(batch: usize, decode_steps: usize, overlap: bool) -> (Duration, Duration) {
+/// Wall-clock time a decode step through the actors, the actors' thread's processor time a
+/// step, and the scheduler's part of it.
+async fn measure(batch: usize, decode_steps: usize, overlap: bool) -> (Duration, Duration, Phases) {
     let (backend, config) = setup(batch, decode_steps, overlap);
     let handles = actors::start(Box::new(backend), config).unwrap();
     let mut streams = Vec::new();
@@ -239,22 +245,48 @@ async fn measure(batch: usize, decode_steps: usize, overlap: bool) -> (Duration,
     }
     // Warm up until every sequence is decoding, then time a window of decode steps.
     let tokens_now = || async { handles.stats().await.scheduler.generated_tokens };
+    let phases_now = || async { handles.stats().await.scheduler.phase_nanos };
     while tokens_now().await < 50 * batch as u64 {
         actix_rt::time::sleep(Duration::from_millis(1)).await;
     }
     let (start, first) = (Instant::now(), tokens_now().await);
     let cpu_start = thread_cpu_time();
+    let phases_before = phases_now().await;
     let mut last = first;
     while last - first < WINDOW_STEPS * batch as u64 {
         actix_rt::time::sleep(Duration::from_millis(1)).await;
         last = tokens_now().await;
     }
     let (elapsed, cpu) = (start.elapsed(), thread_cpu_time() - cpu_start);
+    let phases_after = phases_now().await;
     for id in 0..batch {
         handles.cancel(actors::RequestId(id as u64));
     }
     let steps = ((last - first) / batch as u64) as u32;
-    (elapsed / steps, cpu / steps)
+    let phases = Phases::between(phases_before, phases_after, steps as u64);
+
+    (elapsed / steps, cpu / steps, phases)
+}
+
+/// The scheduler's time a step in each of its phases ([`Phase`]), in µs.
+#[derive(Clone, Copy)]
+struct Phases([f64; Phase::ALL.len()]);
+
+impl Phases {
+    fn between(before: [u64; 4], after: [u64; 4], steps: u64) -> Self {
+        Phases(std::array::from_fn(|i| {
+            (after[i] - before[i]) as f64 / 1e3 / steps as f64
+        }))
+    }
+
+    const NONE: Phases = Phases([f64::NAN; 4]);
+}
+
+impl std::fmt::Display for Phases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let [begin, pool, engine, finish] = self.0;
+        write!(f, "{begin:.1}/{pool:.1}/{engine:.1}/{finish:.1}")
+    }
 }
 
 fn main() {
@@ -277,35 +309,42 @@ fn main() {
         Err(_) => vec![true, false],
     };
     println!(
-        "{:>6} {:>12} {:>8} {:>18} {:>18} {:>24} {:>22}",
+        "{:>6} {:>12} {:>8} {:>18} {:>18} {:>24} {:>22} {:>24} {:>24}",
         "batch",
         "decode_steps",
         "overlap",
         "µs per decode step",
         "µs per sequence",
         "actors' thread: CPU µs",
-        "one thread: µs/step"
+        "one thread: µs/step",
+        "actors: b/p/e/f µs",
+        "one thread: b/p/e/f µs"
     );
     for batch in batches {
         for &k in &decode_steps {
             // `ONLY=inline` or `ONLY=actors` runs one of the two (for a profiler).
             let only = std::env::var("ONLY").unwrap_or_default();
-            let inline = match only.as_str() {
-                "actors" => f64::NAN,
-                _ => measure_inline(batch, k).as_secs_f64() * 1e6,
+            let (inline, inline_phases) = match only.as_str() {
+                "actors" => (f64::NAN, Phases::NONE),
+                _ => {
+                    let (step, phases) = measure_inline(batch, k);
+                    (step.as_secs_f64() * 1e6, phases)
+                }
             };
             for &overlap in &overlaps {
-                let (micros, cpu) = match only.as_str() {
-                    "inline" => (f64::NAN, f64::NAN),
+                let (micros, cpu, phases) = match only.as_str() {
+                    "inline" => (f64::NAN, f64::NAN, Phases::NONE),
                     _ => {
-                        let (wall, cpu) = system.block_on(measure(batch, k, overlap));
-                        (wall.as_secs_f64() * 1e6, cpu.as_secs_f64() * 1e6)
+                        let (wall, cpu, phases) = system.block_on(measure(batch, k, overlap));
+                        (wall.as_secs_f64() * 1e6, cpu.as_secs_f64() * 1e6, phases)
                     }
                 };
                 let overlap = if overlap { "on" } else { "off" };
                 println!(
-                    "{batch:>6} {k:>12} {overlap:>8} {micros:>18.1} {:>18.2} {cpu:>24.1} {inline:>22.1}",
-                    micros / batch as f64
+                    "{batch:>6} {k:>12} {overlap:>8} {micros:>18.1} {:>18.2} {cpu:>24.1} {inline:>22.1} {:>24} {:>24}",
+                    micros / batch as f64,
+                    phases.to_string(),
+                    inline_phases.to_string()
                 );
             }
         }

@@ -11,6 +11,7 @@ use metrics::{
 };
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
 
+use crate::scheduler::Phase;
 use crate::start::Handles;
 
 /// Bucket bounds, in seconds, of every `_seconds` histogram: from a fast decode step to a long
@@ -136,6 +137,12 @@ fn describe() {
     for (name, help) in counters {
         describe_counter!(name, Unit::Count, help);
     }
+    describe_counter!(
+        "snapserve_scheduler_phase_microseconds_total",
+        Unit::Microseconds,
+        "Time the scheduler's thread spent planning steps and applying their answers, by phase \
+         (begin, pool, engine, finish); compare its rate with the forward passes' time."
+    );
     let gauges = [
         (
             "snapserve_queue_requests",
@@ -242,6 +249,10 @@ pub async fn render(handles: &Handles, prometheus: &PrometheusHandle) -> String 
     counter!("snapserve_context_full_backoffs_total").absolute(scheduler.backoffs);
     counter!("snapserve_preemptions_total").absolute(scheduler.preemptions);
     counter!("snapserve_scheduler_steps_total").absolute(scheduler.steps);
+    for (phase, nanos) in Phase::ALL.into_iter().zip(scheduler.phase_nanos) {
+        counter!("snapserve_scheduler_phase_microseconds_total", "phase" => phase.name())
+            .absolute(nanos / 1000);
+    }
     counter!("snapserve_multi_step_steps_total").absolute(scheduler.multi_steps);
     counter!("snapserve_multi_step_cut_short_total").absolute(scheduler.multi_steps_cut_short);
     counter!("snapserve_steps_planned_ahead_total").absolute(scheduler.planned_ahead);

@@ -127,8 +127,36 @@ pub struct SchedulerStats {
     pub first_tokens_from_kept_logits: u64,
     /// The kept logits: rows kept and dropped for room since the start, and held now.
     pub kept_logits: cache::PromptLogitsStats,
+    /// Time the scheduler's thread spent in each phase of its steps, in nanoseconds, indexed
+    /// by [`Phase`]: planning and applying answers, not waiting for them. Next to the
+    /// engine's forward time it says whether planning stays hidden behind the engine.
+    pub phase_nanos: [u64; Phase::ALL.len()],
     pub queued: usize,
     pub running: usize,
+}
+
+/// The scheduler's side of a step, in order: [`Scheduler::begin_step`] (sweep, rows, lookups
+/// and saves for the store), [`Scheduler::plan_pool`], [`Scheduler::plan_engine`] and
+/// [`Scheduler::finish_step`] (the engine's answer applied, tokens delivered).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Begin,
+    Pool,
+    Engine,
+    Finish,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 4] = [Phase::Begin, Phase::Pool, Phase::Engine, Phase::Finish];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Begin => "begin",
+            Phase::Pool => "pool",
+            Phase::Engine => "engine",
+            Phase::Finish => "finish",
+        }
+    }
 }
 
 /// The most positions one sequence may hold, and what sets it: the model's context, or a

@@ -15,8 +15,8 @@ use cache::{
 use engine::backend::{LogitsWanted, RowPlan, StepPlan};
 use policy::{BackoffStep, OnExhausted, ReservationPolicy};
 
-use super::Scheduler;
 use super::job::{Job, Slot};
+use super::{Phase, Scheduler};
 use crate::error::ServeError;
 use crate::exchange::{
     EngineStep, EngineStepReply, Pick, PickOutcome, PoolOp, PoolReply, RestoreCopy, RestoreFault,
@@ -241,6 +241,7 @@ impl Scheduler {
     /// KV the running jobs hold or compute this step, and a lookup per admission candidate,
     /// with the save of its prompt when its first chunk completes it.
     pub fn begin_step(&mut self, now: Instant) -> Vec<StoreOp> {
+        let started = Instant::now();
         assert!(self.draft.is_none(), "one step at a time");
         let swept = self.sweep_cancelled();
         let mut drafted = Vec::new();
@@ -328,6 +329,7 @@ impl Scheduler {
         }
         draft.changes += ops.len() + draft.forks.len();
         self.draft = Some(draft);
+        self.charge(Phase::Begin, started);
         ops
     }
 
@@ -728,6 +730,7 @@ impl Scheduler {
 
     /// Phase 2: the pool changes, given the store's answers to phase 1.
     pub fn plan_pool(&mut self, replies: Vec<StoreReply>) -> Vec<PoolOp> {
+        let started = Instant::now();
         let mut draft = self.draft.take().expect("begin_step ran");
         let mut replies = replies.into_iter();
         for reply in replies.by_ref().take(draft.follow_ups) {
@@ -852,6 +855,7 @@ impl Scheduler {
         }
         draft.changes += ops.len();
         self.draft = Some(draft);
+        self.charge(Phase::Pool, started);
         ops
     }
 
@@ -863,6 +867,7 @@ impl Scheduler {
         stats: Option<PoolStats>,
         now: Instant,
     ) -> Option<EngineStep> {
+        let started = Instant::now();
         if let Some(stats) = stats {
             self.available_pages = stats.available_pages;
         }
@@ -987,7 +992,9 @@ impl Scheduler {
         self.plan_save_copies(&mut draft, &mut step, &admitted_at);
         // First tokens picked from kept logits go out now, not with the step's answer.
         self.waking.wake();
-        self.plan_rows_sent(draft, step)
+        let step = self.plan_rows_sent(draft, step);
+        self.charge(Phase::Engine, started);
+        step
     }
 
     fn apply_extend(
@@ -1494,6 +1501,7 @@ impl Scheduler {
     /// the next one starts when a message or a back-off's end changes something, so no state
     /// can make the loop spin.
     pub fn finish_step(&mut self, reply: Option<EngineStepReply>, now: Instant) -> StepOutcome {
+        let started = Instant::now();
         let mut draft = match &reply {
             Some(reply) => {
                 assert!(
@@ -1561,6 +1569,7 @@ impl Scheduler {
         if !did_work {
             self.stats.idle_steps += 1;
         }
+        self.charge(Phase::Finish, started);
         StepOutcome {
             ready: ready && did_work,
             wake_at,
@@ -2053,6 +2062,11 @@ impl Scheduler {
 
 impl Scheduler {
     /// A version for a new page table.
+    /// Adds the time since `started` to `phase`'s ([`SchedulerStats::phase_nanos`]).
+    fn charge(&mut self, phase: Phase, started: Instant) {
+        self.stats.phase_nanos[phase as usize] += started.elapsed().as_nanos() as u64;
+    }
+
     fn table_version(&mut self) -> u64 {
         self.next_table_version += 1;
         self.next_table_version - 1
