@@ -199,7 +199,8 @@ pub struct Pick {
     /// The request's sampler, handed over with its first row that picks.
     pub sampler: Option<Box<Sampler>>,
     /// The row's one token is the one the engine last picked for this request, unknown when
-    /// the row was planned.
+    /// the row was planned: the engine writes it into the row, whose token may hold anything
+    /// until then (often the pick it wrote there the step before).
     pub follows: bool,
     /// Keep a copy of the logits this pick is made from (after a whole prompt).
     pub keep_logits: bool,

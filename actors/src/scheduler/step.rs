@@ -1327,17 +1327,22 @@ impl Scheduler {
                 }
             };
             draft.sent_versions.push(slot.version);
-            plan_row.tokens.clear();
-            if follows {
-                plan_row.tokens.push(0);
+            if follows && row.draft == 0 && plan_row.tokens.len() == 1 {
+                // The row's one token is the pick the engine writes in, over its last: the
+                // line stays the engine's, not pulled to this thread and back each step.
             } else {
+                plan_row.tokens.clear();
+                if follows {
+                    plan_row.tokens.push(0);
+                } else {
+                    plan_row
+                        .tokens
+                        .extend_from_slice(&job.tokens[row.start..row.end]);
+                }
                 plan_row
                     .tokens
-                    .extend_from_slice(&job.tokens[row.start..row.end]);
+                    .extend_from_slice(&draft.drafted[row.draft_at..row.draft_at + row.draft]);
             }
-            plan_row
-                .tokens
-                .extend_from_slice(&draft.drafted[row.draft_at..row.draft_at + row.draft]);
             // Copied, not lent: the next step may be planned before this one answers.
             plan_row.pages.truncate(had.min(slot.pages.len()));
             plan_row
