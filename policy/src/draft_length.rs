@@ -274,10 +274,11 @@ mod tests {
         // SmolLM2 on the H200 at batch 1: a decode step 0.58 ms, a verify step 0.9 ms and
         // ~15 µs a token. One drafted token does not pay for the verify path; a draft likely
         // kept does, whole; a draft seldom kept does not at any length.
-        let cost = Some(DraftCost {
+        let c = DraftCost {
             plain_seconds: 0.58e-3,
             verify: fit(0.87, 0.015),
-        });
+        };
+        let cost = Some(c);
         assert_eq!(draft_lengths(&[offer(0.9, 7)], 1, 1, cost), vec![7]);
         assert!(draft_lengths(&[offer(0.6, 7)], 1, 1, cost)[0] >= 5);
         assert_eq!(draft_lengths(&[offer(0.2, 7)], 1, 1, cost), vec![0]);
@@ -286,7 +287,6 @@ mod tests {
             let chosen = draft_lengths(&[offer(rate, 7)], 1, 1, cost)[0];
             let per_second = |d: usize| {
                 let tokens: f64 = (0..=d).map(|k| rate.powi(k as i32)).sum();
-                let c = cost.unwrap();
                 let seconds = if d == 0 {
                     c.plain_seconds
                 } else {
