@@ -7,8 +7,9 @@
 Checks models.retrieve, json_schema structured output (parsed and checked field by field),
 json_object, logprobs/top_logprobs (whole and streamed), forced and named tool calls (whole,
 and streamed as the SDK assembles them), a tool result sent back, logit_bias, n choices
-(whole and streamed; each what a lone request with its seed draws), and best_of. Prints one
-line per check and exits non-zero on any mismatch.
+(whole and streamed; each what a lone request with its seed draws), best_of, and a list of
+prompts in one completion request. Prints one line per check and exits non-zero on any
+mismatch.
 """
 
 import argparse
@@ -194,6 +195,26 @@ def main():
     check("best_of answers the likeliest candidate",
           len(ranked.choices) == 1 and ranked.choices[0].text == max(means)[1],
           f"{ranked.choices[0].text!r} vs {means}")
+
+    prompts = ["The old lighthouse keeper said", "Once upon a time"]
+    listed = client.completions.create(
+        model=model, prompt=prompts, n=2, seed=5, temperature=1.0, max_tokens=6,
+    )
+    lone = [
+        client.completions.create(
+            model=model, prompt=prompt, seed=5 + i, temperature=1.0, max_tokens=6,
+        ).choices[0].text
+        for prompt in prompts
+        for i in range(2)
+    ]
+    got = [c.text for c in sorted(listed.choices, key=lambda c: c.index)]
+    check("a list of prompts, n = 2 each, choices numbered across them", got == lone,
+          f"{got} vs {lone}")
+    token_lists = client.completions.create(
+        model=model, prompt=[[504, 3218, 314], [12, 13]], max_tokens=4, temperature=0,
+    )
+    check("a list of token-id prompts", len(token_lists.choices) == 2
+          and token_lists.usage.prompt_tokens == 5, f"{token_lists}")
 
     print(f"{len(failures)} failed" if failures else "all passed")
     return 1 if failures else 0

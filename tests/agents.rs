@@ -642,3 +642,163 @@ fn best_of_answers_the_likeliest_candidate() {
     }
     assert!(server.is_idle());
 }
+
+/// A completion's list of prompts (texts, or lists of token ids) is one request: each prompt's
+/// `n` choices in turn, numbered across the prompts, each what a lone request for that prompt
+/// seeded `seed + i` answers; the usage counts each prompt once and every completion. Streamed
+/// the same; `echo` and `best_of` work per prompt; a bad prompt refuses the whole request,
+/// named by its place in the list, and nothing is left running.
+#[test]
+fn a_list_of_prompts_is_answered_prompt_by_prompt() {
+    let server = Server::start(&smollm2(), CONFIG);
+    let prompts = [
+        "The old lighthouse keeper said",
+        "In the garden behind the house",
+        "Once upon a time",
+    ];
+    let ask = |prompt: Value, n: usize, seed: u64| {
+        json!({
+            "prompt": prompt, "n": n, "seed": seed, "temperature": 1.0, "max_tokens": 6,
+            "ignore_eos": true,
+        })
+    };
+    let (status, _, body) = server.post("/v1/completions", &ask(json!(prompts), 2, 7));
+    assert_eq!(status, 200, "{body}");
+    let choices = body["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6, "{body}");
+    let mut prompt_tokens = 0;
+    let mut lone_texts = Vec::new();
+    for (p, prompt) in prompts.iter().enumerate() {
+        for j in 0..2 {
+            let (_, _, lone) = server.post("/v1/completions", &ask(json!(prompt), 1, 7 + j));
+            let at = 2 * p + j as usize;
+            assert_eq!(choices[at]["index"], at);
+            assert_eq!(
+                choices[at]["text"],
+                lone["choices"][0]["text"],
+                "prompt {p}, choice {j} against a lone request seeded {}",
+                7 + j
+            );
+            lone_texts.push(lone["choices"][0]["text"].as_str().unwrap().to_string());
+            if j == 0 {
+                prompt_tokens += lone["usage"]["prompt_tokens"].as_u64().unwrap();
+            }
+        }
+    }
+    assert_eq!(body["usage"]["prompt_tokens"], prompt_tokens, "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 36);
+    assert_eq!(body["usage"]["total_tokens"], prompt_tokens + 36);
+
+    // Streamed: every choice under its own index, one finish each, then one usage.
+    let mut streamed = ask(json!(prompts), 2, 7);
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let chunks = chunks(&server.post_stream("/v1/completions", &streamed));
+    let mut texts = vec![String::new(); 6];
+    let mut finishes = [0; 6];
+    for chunk in &chunks[..chunks.len() - 1] {
+        assert!(
+            chunk["id"] == chunks[0]["id"],
+            "one id for the whole response"
+        );
+        let choice = &chunk["choices"][0];
+        let i = choice["index"].as_u64().unwrap() as usize;
+        texts[i] += choice["text"].as_str().unwrap_or("");
+        finishes[i] += choice["finish_reason"].is_string() as usize;
+    }
+    assert_eq!(finishes, [1; 6]);
+    assert_eq!(texts, lone_texts);
+    let usage = &chunks[chunks.len() - 1]["usage"];
+    assert_eq!(usage["prompt_tokens"], prompt_tokens, "{usage}");
+    assert_eq!(usage["completion_tokens"], 36, "{usage}");
+
+    // Lists of token ids, greedy, each as its lone request answers it.
+    let ids = [vec![504, 3218, 314, 1345], vec![12, 13, 14]];
+    let greedy = |prompt: Value| json!({"prompt": prompt, "max_tokens": 4, "temperature": 0});
+    let (status, _, body) = server.post("/v1/completions", &greedy(json!(ids)));
+    assert_eq!(status, 200, "{body}");
+    for (p, prompt) in ids.iter().enumerate() {
+        let (_, _, lone) = server.post("/v1/completions", &greedy(json!(prompt)));
+        assert_eq!(
+            body["choices"][p]["text"], lone["choices"][0]["text"],
+            "{p}"
+        );
+    }
+    assert_eq!(body["usage"]["prompt_tokens"], 7);
+
+    // `echo`: each choice opens with its own prompt.
+    let (status, _, body) = server.post(
+        "/v1/completions",
+        &json!({"prompt": prompts, "echo": true, "max_tokens": 2, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{body}");
+    for (p, prompt) in prompts.iter().enumerate() {
+        let text = body["choices"][p]["text"].as_str().unwrap();
+        assert!(
+            text.starts_with(prompt),
+            "{text:?} does not echo {prompt:?}"
+        );
+    }
+
+    // `best_of`: the best of each prompt's candidates, one answer a prompt.
+    let mut best = ask(json!(prompts[..2]), 1, 7);
+    best["best_of"] = json!(2);
+    let (status, _, body) = server.post("/v1/completions", &best);
+    assert_eq!(status, 200, "{body}");
+    let choices = body["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2, "{body}");
+    for (p, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], p);
+        let text = choice["text"].as_str().unwrap();
+        assert!(
+            lone_texts[2 * p..2 * p + 2].iter().any(|t| t == text),
+            "prompt {p}'s answer {text:?} is none of its candidates {:?}",
+            &lone_texts[2 * p..2 * p + 2]
+        );
+    }
+    assert_eq!(body["usage"]["completion_tokens"], 24);
+
+    // One bad prompt refuses them all, named by its place.
+    let too_many: Vec<&str> = vec!["a"; 1025];
+    for (body, param, says) in [
+        (
+            json!({"prompt": ["fine", ""]}),
+            "prompt",
+            "prompt 1 is empty",
+        ),
+        (
+            json!({"prompt": [[1, 2], []]}),
+            "prompt",
+            "prompt 1 is empty",
+        ),
+        (
+            json!({"prompt": ["fine", "also fine"], "max_tokens": 100_000}),
+            "max_tokens",
+            "prompt 0: the prompt",
+        ),
+        (
+            json!({"prompt": too_many}),
+            "prompt",
+            "at most 1024 prompts",
+        ),
+        (
+            json!({"prompt": [[1, 2], "x"]}),
+            "prompt[1]",
+            "expected a sequence",
+        ),
+    ] {
+        let (status, _, answer) = server.post("/v1/completions", &body);
+        assert_eq!(status, 400, "{body} -> {answer}");
+        assert_eq!(answer["error"]["param"], param, "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{message:?} does not say {says:?}");
+    }
+    let (status, _, answer) = server.post(
+        "/v1/completions",
+        &json!({"prompt": [[1, 2], [99_999_999]]}),
+    );
+    assert_eq!(status, 400, "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(message.contains("prompt 1: token id 99999999"), "{message}");
+    assert!(server.is_idle());
+}

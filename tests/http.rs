@@ -173,6 +173,11 @@ fn bad_requests_get_clear_errors_and_a_full_queue_gets_429() {
             "temperature",
         ),
         (json!({"prompt": "hi", "n": 3}), 400, "queues at most 1"),
+        (
+            json!({"prompt": ["hi", "there"]}),
+            400,
+            "2 prompts with n = 1 are 2 sequences; this server queues at most 1",
+        ),
         (json!({"prompt": "hi", "model": "gpt-4"}), 404, "smollm2"),
         (
             json!({"prompt": "hi", "max_tokens": 100000}),

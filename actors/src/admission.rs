@@ -268,17 +268,18 @@ impl Handler<Submit> for Admission {
     }
 }
 
-/// Submits `n` choices of one request (OpenAI's `n`), which compute the prompt once; see
-/// [`crate::scheduler::Scheduler::submit_choices`].
+/// Submits `n` choices (OpenAI's `n`) of each of a list of requests, all or none; each
+/// request's choices compute its prompt once. See
+/// [`crate::scheduler::Scheduler::submit_prompts`].
 #[derive(Debug, Message)]
-#[rtype(result = "Result<Vec<RequestStream>, ServeError>")]
-pub struct SubmitChoices(pub GenerateRequest, pub usize);
+#[rtype(result = "Result<Vec<Vec<RequestStream>>, ServeError>")]
+pub struct SubmitChoices(pub Vec<GenerateRequest>, pub usize);
 
 impl Handler<SubmitChoices> for Admission {
-    type Result = Result<Vec<RequestStream>, ServeError>;
+    type Result = Result<Vec<Vec<RequestStream>>, ServeError>;
 
     fn handle(&mut self, msg: SubmitChoices, ctx: &mut Context<Self>) -> Self::Result {
-        let streams = self.scheduler.submit_choices(msg.0, msg.1)?;
+        let streams = self.scheduler.submit_prompts(msg.0, msg.1)?;
         self.kick(ctx);
         Ok(streams)
     }

@@ -16,9 +16,13 @@ pub enum ServeError {
     #[error("invalid request: {0}")]
     Invalid(String),
 
-    /// More choices (`n`) than the queue can ever hold at once.
-    #[error("invalid request: n is {n}; this server queues at most {max_queue} requests")]
-    TooManyChoices { n: usize, max_queue: usize },
+    /// More sequences (prompts × `n`) than the queue can ever hold at once.
+    #[error("invalid request: {}", too_many(*prompts, *n, *max_queue))]
+    TooManyChoices {
+        prompts: usize,
+        n: usize,
+        max_queue: usize,
+    },
 
     /// A prefix to keep could not be saved: it does not fit beside the snapshots that must
     /// stay, or its copy failed.
@@ -67,4 +71,15 @@ impl ServeError {
             ServeError::ContextFull { .. } => "context_full",
         }
     }
+}
+
+fn too_many(prompts: usize, n: usize, max_queue: usize) -> String {
+    let asked = match prompts {
+        1 => format!("n is {n}"),
+        _ => format!(
+            "{prompts} prompts with n = {n} are {} sequences",
+            prompts * n
+        ),
+    };
+    format!("{asked}; this server queues at most {max_queue} requests")
 }

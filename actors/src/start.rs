@@ -221,8 +221,19 @@ impl Handles {
         request: GenerateRequest,
         n: usize,
     ) -> Result<Vec<RequestStream>, ServeError> {
+        let mut streams = self.submit_prompts(vec![request], n).await?;
+        Ok(streams.pop().expect("one prompt submitted"))
+    }
+
+    /// Submits `n` choices of each request of a list (a completion's list of prompts), all or
+    /// none: the streams per request, in order.
+    pub async fn submit_prompts(
+        &self,
+        requests: Vec<GenerateRequest>,
+        n: usize,
+    ) -> Result<Vec<Vec<RequestStream>>, ServeError> {
         self.admission
-            .send(SubmitChoices(request, n))
+            .send(SubmitChoices(requests, n))
             .await
             .map_err(|_| ServeError::ShuttingDown)?
     }

@@ -20,12 +20,14 @@ use serde_json::{Value, json};
 use super::Model;
 use super::error::ApiError;
 
-/// A prompt as OpenAI allows it: text, token ids, or a list of one text.
+/// A prompt as OpenAI allows it: text, token ids, or a list of either (a completion's several
+/// prompts, each answered with its own choices).
 #[derive(Debug)]
 pub enum Prompt {
     Text(String),
     Tokens(Vec<u32>),
     Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
 }
 
 /// Told apart by the JSON's shape as it is read: a list's first element says which list it is,
@@ -37,7 +39,8 @@ impl<'de> Deserialize<'de> for Prompt {
     }
 }
 
-const PROMPT_SHAPES: &str = "a string, a list of token ids, or a list of one string";
+const PROMPT_SHAPES: &str =
+    "a string, a list of token ids, a list of strings, or a list of lists of token ids";
 
 struct PromptVisitor;
 
@@ -74,6 +77,13 @@ impl<'de> serde::de::Visitor<'de> for PromptVisitor {
                 }
                 Ok(Prompt::Texts(texts))
             }
+            Some(PromptItem::Tokens(first)) => {
+                let mut lists = vec![first];
+                while let Some(ids) = seq.next_element::<Vec<u32>>()? {
+                    lists.push(ids);
+                }
+                Ok(Prompt::TokenLists(lists))
+            }
         }
     }
 }
@@ -82,6 +92,7 @@ impl<'de> serde::de::Visitor<'de> for PromptVisitor {
 enum PromptItem {
     Token(u32),
     Text(String),
+    Tokens(Vec<u32>),
 }
 
 impl<'de> Deserialize<'de> for PromptItem {
@@ -106,6 +117,17 @@ impl<'de> Deserialize<'de> for PromptItem {
 
             fn visit_string<E: serde::de::Error>(self, text: String) -> Result<PromptItem, E> {
                 Ok(PromptItem::Text(text))
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<PromptItem, A::Error> {
+                let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+                while let Some(id) = seq.next_element::<u32>()? {
+                    ids.push(id);
+                }
+                Ok(PromptItem::Tokens(ids))
             }
         }
         deserializer.deserialize_any(ItemVisitor)
@@ -256,12 +278,13 @@ pub struct Part {
 /// A request ready to submit.
 #[derive(Debug)]
 pub struct Prepared {
-    pub prompt: Vec<u32>,
+    /// The prompts, each answered with `n` choices: one, or a completion's list.
+    pub prompts: Vec<Vec<u32>>,
     pub params: SamplingParams,
     pub stream: bool,
     pub include_usage: bool,
-    /// The prompt's text, answered before the completion (`echo`).
-    pub echo: Option<String>,
+    /// Each prompt's text, answered before its completions (`echo`).
+    pub echo: Option<Vec<String>>,
     /// How to read tool calls back out of the reply, when tools may be called.
     pub tools: Option<ToolUse>,
     /// Choices to generate (OpenAI's `n`), sharing the prompt's computation.
@@ -273,6 +296,10 @@ pub struct Prepared {
 
 /// The most choices one request may ask for.
 pub const MAX_CHOICES: usize = 64;
+
+/// The most prompts one completion request may list (each with its `n` choices, which the
+/// queue must also have room for).
+pub const MAX_PROMPTS: usize = 1024;
 
 /// Tool calls to read out of a reply: the syntax and the functions that exist.
 #[derive(Debug, Clone)]
@@ -410,42 +437,55 @@ impl Sampling {
         }
     }
 
+    /// Checks the request's sampling fields against its prompts (each must leave room for
+    /// `max_tokens`, or one token when it is not given) and builds what to submit. Without
+    /// `max_tokens` a choice generates at most `default_max` tokens, fewer where its prompt
+    /// leaves less room (the scheduler clips each to its own).
     fn prepare(
         &self,
         model: &Model,
-        prompt: Vec<u32>,
+        prompts: Vec<Vec<u32>>,
         max_tokens: Option<usize>,
         default_max: usize,
         logprobs: Option<usize>,
         forced: Option<(GrammarSpec, &'static str)>,
     ) -> Result<Prepared, ApiError> {
         let limit = model.limit.tokens;
-        if prompt.len() >= limit {
-            return Err(ApiError::invalid_param(
-                "prompt",
-                format!(
-                    "the prompt has {} tokens; {} holds {}, with room for one generated token",
-                    prompt.len(),
-                    model.limit.holder(),
-                    limit - 1
-                ),
-            ));
-        }
-        let room = limit - prompt.len();
-        let max_tokens = match max_tokens {
-            Some(asked) if asked > room => {
+        let several = prompts.len() > 1;
+        let which = |i: usize| match several {
+            true => format!("prompt {i}: "),
+            false => String::new(),
+        };
+        let mut most_room = 0;
+        for (i, prompt) in prompts.iter().enumerate() {
+            if prompt.len() >= limit {
+                return Err(ApiError::invalid_param(
+                    "prompt",
+                    format!(
+                        "{}the prompt has {} tokens; {} holds {}, with room for one generated \
+                         token",
+                        which(i),
+                        prompt.len(),
+                        model.limit.holder(),
+                        limit - 1
+                    ),
+                ));
+            }
+            let room = limit - prompt.len();
+            if let Some(asked) = max_tokens.filter(|&asked| asked > room) {
                 return Err(ApiError::invalid_param(
                     "max_tokens",
                     format!(
-                        "the prompt ({} tokens) plus max_tokens ({asked}) exceed {}",
+                        "{}the prompt ({} tokens) plus max_tokens ({asked}) exceed {}",
+                        which(i),
                         prompt.len(),
                         model.limit.holder()
                     ),
                 ));
             }
-            Some(asked) => asked,
-            None => default_max.min(room),
-        };
+            most_room = most_room.max(room);
+        }
+        let max_tokens = max_tokens.unwrap_or(default_max.min(most_room));
         let stream = self.stream.unwrap_or(false);
         if self.stream_options.is_some() && !stream {
             return Err(ApiError::invalid_param(
@@ -483,7 +523,7 @@ impl Sampling {
             _ => ApiError::invalid(e.to_string()),
         })?;
         Ok(Prepared {
-            prompt,
+            prompts,
             params,
             stream,
             include_usage: self
@@ -553,30 +593,36 @@ impl CompletionRequest {
         if self.suffix.is_some() {
             return refuse("suffix", "suffix");
         }
-        let prompt = match &self.prompt {
-            Prompt::Text(text) => encode(model, text)?,
-            Prompt::Texts(texts) if texts.len() == 1 => encode(model, &texts[0])?,
-            Prompt::Texts(texts) => {
-                return Err(ApiError::invalid_param(
-                    "prompt",
-                    format!(
-                        "a list of {} prompts is not supported; send one request per prompt",
-                        texts.len()
-                    ),
-                ));
-            }
-            Prompt::Tokens(ids) => ids.clone(),
+        let prompts = match &self.prompt {
+            Prompt::Text(text) => vec![encode(model, text)?],
+            Prompt::Texts(texts) => texts
+                .iter()
+                .map(|text| encode(model, text))
+                .collect::<Result<_, _>>()?,
+            Prompt::Tokens(ids) => vec![ids.clone()],
+            Prompt::TokenLists(lists) => lists.clone(),
         };
-        if prompt.is_empty() {
-            return Err(ApiError::invalid_param("prompt", "the prompt is empty"));
+        if prompts.len() > MAX_PROMPTS {
+            return Err(ApiError::invalid_param(
+                "prompt",
+                format!("at most {MAX_PROMPTS} prompts, got {}", prompts.len()),
+            ));
+        }
+        if let Some(i) = prompts.iter().position(Vec::is_empty) {
+            let what = match prompts.len() {
+                1 => "the prompt is empty".to_string(),
+                _ => format!("prompt {i} is empty"),
+            };
+            return Err(ApiError::invalid_param("prompt", what));
         }
         let echo = match (self.echo, &self.prompt) {
-            (Some(true), Prompt::Text(text)) => Some(text.clone()),
-            (Some(true), Prompt::Texts(texts)) => Some(texts[0].clone()),
-            (Some(true), Prompt::Tokens(ids)) => Some(
-                model
-                    .tokenizer
-                    .decode(ids, false)
+            (Some(true), Prompt::Text(text)) => Some(vec![text.clone()]),
+            (Some(true), Prompt::Texts(texts)) => Some(texts.clone()),
+            (Some(true), Prompt::Tokens(_) | Prompt::TokenLists(_)) => Some(
+                prompts
+                    .iter()
+                    .map(|ids| model.tokenizer.decode(ids, false))
+                    .collect::<Result<_, _>>()
                     .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?,
             ),
             _ => None,
@@ -584,7 +630,7 @@ impl CompletionRequest {
         // OpenAI's default for completions.
         let prepared =
             self.sampling
-                .prepare(model, prompt, self.max_tokens, 16, self.logprobs, None)?;
+                .prepare(model, prompts, self.max_tokens, 16, self.logprobs, None)?;
         Ok(Prepared {
             echo,
             best_of,
@@ -686,7 +732,7 @@ impl ChatRequest {
         // Without a limit, a chat reply may use the rest of the context.
         let prepared = self.sampling.prepare(
             model,
-            prompt,
+            vec![prompt],
             max_tokens,
             model.limit.tokens,
             logprobs,

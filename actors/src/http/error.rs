@@ -112,7 +112,11 @@ impl From<ServeError> for ApiError {
             message: error.to_string(),
             kind,
             code: error.code(),
-            param: matches!(error, ServeError::TooManyChoices { .. }).then(|| "n".to_string()),
+            param: match error {
+                ServeError::TooManyChoices { prompts: 1, .. } => Some("n".to_string()),
+                ServeError::TooManyChoices { .. } => Some("prompt".to_string()),
+                _ => None,
+            },
             retry_after,
             allow: None,
         }

@@ -252,7 +252,7 @@ async fn respond(
     kind: Kind,
 ) -> Result<HttpResponse, ApiError> {
     let Prepared {
-        prompt,
+        prompts,
         params,
         stream,
         include_usage,
@@ -261,7 +261,7 @@ async fn respond(
         n,
         best_of,
     } = prepared;
-    let prompt_tokens = prompt.len();
+    let prompt_tokens: Vec<usize> = prompts.iter().map(Vec::len).collect();
     let stops = params.stop.clone();
     let logprobs = params.logprobs.is_some();
     let mut params = params;
@@ -270,22 +270,30 @@ async fn respond(
         params.logprobs.get_or_insert(0);
     }
     let candidates = best_of.unwrap_or(n);
-    let streams = state
-        .handles
-        .submit_choices(GenerateRequest { prompt, params }, candidates)
-        .await?;
-    crate::metrics::prompt_accepted(prompt_tokens);
-    let mut outputs: Vec<Output> = Vec::with_capacity(candidates);
-    for (index, events) in streams.into_iter().enumerate() {
-        let output = Output::new(state.model.clone(), events, &stops, prompt_tokens, kind)
-            .echoing(echo.clone())
-            .with_logprobs(logprobs)
-            .reading_tools(tools.clone());
-        let output = match outputs.first() {
-            Some(first) => output.choice_of(first, index),
-            None => output,
-        };
-        outputs.push(output);
+    let requests = prompts
+        .into_iter()
+        .map(|prompt| GenerateRequest {
+            prompt,
+            params: params.clone(),
+        })
+        .collect();
+    let groups = state.handles.submit_prompts(requests, candidates).await?;
+    let mut outputs: Vec<Output> = Vec::with_capacity(groups.len() * candidates);
+    for (p, streams) in groups.into_iter().enumerate() {
+        crate::metrics::prompt_accepted(prompt_tokens[p]);
+        for events in streams {
+            let output = Output::new(state.model.clone(), events, &stops, prompt_tokens[p], kind)
+                .echoing(echo.as_ref().map(|texts| texts[p].clone()))
+                .with_logprobs(logprobs)
+                .reading_tools(tools.clone())
+                .for_prompt(p);
+            // Numbered across the prompts: streamed, every candidate is answered.
+            let output = match outputs.first() {
+                Some(first) => output.choice_of(first, outputs.len()),
+                None => output,
+            };
+            outputs.push(output);
+        }
     }
     if stream {
         Ok(HttpResponse::Ok()

@@ -55,8 +55,10 @@ pub struct Output {
     kind: Kind,
     id: String,
     created: u64,
-    /// Which of the request's choices (`n`) this is.
+    /// Which of the request's choices (`n` for each prompt) this is.
     index: usize,
+    /// Which of the request's prompts it answers (a completion may list several).
+    prompt: usize,
     submitted: Instant,
     last_token: Option<Instant>,
     /// Text answered before the completion's own (`echo`): the first piece.
@@ -164,6 +166,7 @@ impl Output {
             kind,
             created: super::unix_now(),
             index: 0,
+            prompt: 0,
             submitted: Instant::now(),
             last_token: None,
             echo: None,
@@ -212,6 +215,11 @@ impl Output {
     /// Answers `echo` (the prompt's text) before the completion, as its first piece.
     pub fn echoing(self, echo: Option<String>) -> Self {
         Output { echo, ..self }
+    }
+
+    /// Makes this a choice of the request's prompt `prompt` (of a completion's list).
+    pub fn for_prompt(self, prompt: usize) -> Self {
+        Output { prompt, ..self }
     }
 
     /// Reads events until some text is final or the request ends.
@@ -389,7 +397,7 @@ impl Output {
 
     /// Reads the choice to its end: its `choices` entry, its usage, and its mean token
     /// log-probability (for `best_of`).
-    async fn whole_choice(mut self) -> Result<(Value, Value, f64), ApiError> {
+    async fn whole_choice(mut self) -> Result<WholeChoice, ApiError> {
         let mut text = String::new();
         let mut scored = Vec::new();
         loop {
@@ -429,17 +437,22 @@ impl Output {
                         }),
                     };
                     let mean = self.score.0 / self.score.1.max(1) as f64;
-                    return Ok((choice, usage, mean));
+                    return Ok(WholeChoice {
+                        prompt: self.prompt,
+                        choice,
+                        usage,
+                        mean,
+                    });
                 }
             }
         }
     }
 
-    /// Reads every choice of a request (`outputs`, in order) to its end and answers in one
-    /// body with `n` of them: all, or, when there are more (`best_of`), the `n` with the
-    /// highest log-probability per token, in that order. The usage counts every candidate. The
-    /// first failure answers the request; the other choices are then dropped, which cancels
-    /// them.
+    /// Reads every choice of a request (`outputs`, in order, by prompt) to its end and answers
+    /// in one body with `n` for each prompt: all, or, when there are more (`best_of`), the `n`
+    /// with the highest log-probability per token, in that order; the choices numbered across
+    /// prompts. The usage counts every candidate. The first failure answers the request; the
+    /// other choices are then dropped, which cancels them.
     pub async fn whole(outputs: Vec<Output>, n: usize) -> Result<Value, ApiError> {
         let head = outputs.first().expect("a request has a choice");
         let object = match head.kind {
@@ -448,21 +461,27 @@ impl Output {
         };
         let mut body = head.envelope(object, Value::Null);
         let read = outputs.into_iter().map(Output::whole_choice);
-        let mut read = futures_util::future::try_join_all(read).await?;
-        let usages: Vec<Value> = read.iter().map(|(_, usage, _)| usage.clone()).collect();
-        if read.len() > n {
-            // Best first; equal scores keep the candidates' order.
-            read.sort_by(|a, b| b.2.total_cmp(&a.2));
-            read.truncate(n);
+        let read = futures_util::future::try_join_all(read).await?;
+        let usages: Vec<(usize, Value)> =
+            read.iter().map(|c| (c.prompt, c.usage.clone())).collect();
+        let mut choices = Vec::with_capacity(read.len());
+        let mut read = read.into_iter().peekable();
+        while let Some(first) = read.next() {
+            let prompt = first.prompt;
+            let mut group = vec![first];
+            while let Some(next) = read.next_if(|c| c.prompt == prompt) {
+                group.push(next);
+            }
+            if group.len() > n {
+                // Best first; equal scores keep the candidates' order.
+                group.sort_by(|a, b| b.mean.total_cmp(&a.mean));
+                group.truncate(n);
+            }
+            choices.extend(group.into_iter().map(|c| c.choice));
         }
-        let choices = read
-            .into_iter()
-            .enumerate()
-            .map(|(index, (mut choice, _, _))| {
-                choice["index"] = json!(index);
-                choice
-            })
-            .collect();
+        for (index, choice) in choices.iter_mut().enumerate() {
+            choice["index"] = json!(index);
+        }
         body["choices"] = Value::Array(choices);
         body["usage"] = merge_usage(&usages);
         Ok(body)
@@ -572,7 +591,7 @@ impl Output {
                         "tool_calls"
                     };
                     bytes += &sse(&output.chunk(None, &[], Some(reason)));
-                    Some(Streamed::Finished(usage))
+                    Some(Streamed::Finished(output.prompt, usage))
                 }
                 Some(End::Failed(error)) => Some(Streamed::Failed(error)),
             };
@@ -609,8 +628,8 @@ impl Output {
                 while bytes.is_empty() && !finished {
                     match merged.next().await {
                         Some(Streamed::Text(text)) => bytes = text,
-                        Some(Streamed::Finished(usage)) => {
-                            usages.push(usage);
+                        Some(Streamed::Finished(prompt, usage)) => {
+                            usages.push((prompt, usage));
                             if usages.len() == choices {
                                 if include_usage {
                                     let mut chunk = closing.clone();
@@ -636,25 +655,52 @@ impl Output {
     }
 }
 
-/// What a choice's stream carries: event text, then how the choice ended.
+/// What a choice's stream carries: event text, then how the choice ended (with its prompt's
+/// place in the request and its usage).
 enum Streamed {
     Text(String),
-    Finished(Value),
+    Finished(usize, Value),
     Failed(ApiError),
 }
 
-/// One usage for a request's choices: the prompt counted once (it was computed once), the
-/// completions summed, the cached prompt tokens the first choice's.
-fn merge_usage(usages: &[Value]) -> Value {
-    let mut merged = usages.first().cloned().unwrap_or(Value::Null);
-    if usages.len() > 1 {
-        let completion: u64 = usages
-            .iter()
-            .filter_map(|u| u["completion_tokens"].as_u64())
-            .sum();
-        let prompt = merged["prompt_tokens"].as_u64().unwrap_or(0);
-        merged["completion_tokens"] = json!(completion);
-        merged["total_tokens"] = json!(prompt + completion);
+/// A choice read whole ([`Output::whole`]).
+struct WholeChoice {
+    prompt: usize,
+    choice: Value,
+    usage: Value,
+    /// Its mean token log-probability, which ranks `best_of` candidates.
+    mean: f64,
+}
+
+/// One usage for a request's choices, each given with its prompt's place in the request: each
+/// prompt counted once (its choices computed it once) with the cached tokens of the first of
+/// its choices listed, the completions summed.
+fn merge_usage(usages: &[(usize, Value)]) -> Value {
+    let Some((_, first)) = usages.first() else {
+        return Value::Null;
+    };
+    if usages.len() == 1 {
+        return first.clone();
+    }
+    let mut seen = Vec::new();
+    let (mut prompt, mut cached, mut completion) = (0, None::<u64>, 0);
+    for (p, usage) in usages {
+        completion += usage["completion_tokens"].as_u64().unwrap_or(0);
+        if seen.contains(p) {
+            continue;
+        }
+        seen.push(*p);
+        prompt += usage["prompt_tokens"].as_u64().unwrap_or(0);
+        if let Some(c) = usage["prompt_tokens_details"]["cached_tokens"].as_u64() {
+            *cached.get_or_insert(0) += c;
+        }
+    }
+    let mut merged = first.clone();
+    merged["prompt_tokens"] = json!(prompt);
+    merged["completion_tokens"] = json!(completion);
+    merged["total_tokens"] = json!(prompt + completion);
+    if let Some(cached) = cached {
+        merged["prompt_tokens_details"]["cached_tokens"] = json!(cached);
     }
     merged
 }

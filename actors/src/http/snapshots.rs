@@ -37,7 +37,7 @@ impl KeepRequest {
             }
             (Some(Prompt::Text(text)), None) => encode(model, text, "prompt")?,
             (Some(Prompt::Tokens(ids)), None) => ids.clone(),
-            (Some(Prompt::Texts(_)), None) => {
+            (Some(Prompt::Texts(_) | Prompt::TokenLists(_)), None) => {
                 return Err(ApiError::invalid_param(
                     "prompt",
                     "one prefix per request: a string or a list of token ids",

@@ -318,24 +318,55 @@ impl Scheduler {
         request: GenerateRequest,
         n: usize,
     ) -> Result<Vec<RequestStream>, ServeError> {
+        let mut streams = self.submit_prompts(vec![request], n)?;
+        Ok(streams.pop().expect("one prompt submitted"))
+    }
+
+    /// Queues `n` choices of each of several requests (a completion's list of prompts), each
+    /// prompt's as [`Scheduler::submit_choices`] queues them, or refuses them all: one invalid
+    /// request (named by its place in the list), more sequences than the queue holds, or too
+    /// little room in it now. The streams come per request, in order.
+    pub fn submit_prompts(
+        &mut self,
+        requests: Vec<GenerateRequest>,
+        n: usize,
+    ) -> Result<Vec<Vec<RequestStream>>, ServeError> {
         if self.draining {
             return Err(ServeError::ShuttingDown);
         }
-        self.validate(&request)?;
+        let prompts = requests.len();
+        for (i, request) in requests.iter().enumerate() {
+            match self.validate(request) {
+                Err(ServeError::Invalid(reason)) if prompts > 1 => {
+                    return Err(ServeError::Invalid(format!("prompt {i}: {reason}")));
+                }
+                checked => checked?,
+            }
+        }
         if n == 0 {
             return Err(ServeError::Invalid("n must be at least 1".into()));
         }
-        if n > self.config.max_queue {
+        let sequences = prompts.saturating_mul(n);
+        if sequences > self.config.max_queue {
             return Err(ServeError::TooManyChoices {
+                prompts,
                 n,
                 max_queue: self.config.max_queue,
             });
         }
-        if self.queue.len() + n > self.config.max_queue {
+        if self.queue.len() + sequences > self.config.max_queue {
             return Err(ServeError::Overloaded {
                 retry_after: self.retry_after(),
             });
         }
+        Ok(requests
+            .into_iter()
+            .map(|request| self.queue_choices(request, n))
+            .collect())
+    }
+
+    /// Queues `n` choices of a request already checked, the first computing the prompt.
+    fn queue_choices(&mut self, request: GenerateRequest, n: usize) -> Vec<RequestStream> {
         let room = self.limit.tokens - request.prompt.len();
         let max_new = request.params.max_tokens.min(room);
         let first = RequestId(self.next_id);
@@ -362,7 +393,7 @@ impl Scheduler {
             self.stats.submitted += 1;
             streams.push(RequestStream::new(id, receiver, stopped));
         }
-        Ok(streams)
+        streams
     }
 
     /// Queues a prompt to compute and keep (an operator's pinned prefix): its whole pages are

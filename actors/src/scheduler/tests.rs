@@ -528,6 +528,59 @@ fn submit_choices(h: &mut Harness, n: usize, seed: u64) -> Vec<RequestStream> {
         .unwrap()
 }
 
+/// A list of prompts is queued whole or not at all: too many sequences for the queue ever,
+/// too little room in it now, or one invalid prompt (named by its place) leave the queue as it
+/// was; a list that fits queues each prompt's choices, the first of each computing its prompt.
+#[test]
+fn a_list_of_prompts_is_queued_all_or_none() {
+    let mut h = Harness::new(64, "[admission]\nmax_queue = 4\n");
+    let request = |len: u32| GenerateRequest {
+        prompt: (0..len).map(|i| 3 + i).collect(),
+        params: greedy_exactly(3),
+    };
+    let queued = |h: &Harness| h.scheduler.stats().queued;
+    let refused = h
+        .scheduler
+        .submit_prompts(vec![request(5), request(6), request(7)], 2)
+        .err();
+    assert_eq!(
+        refused,
+        Some(ServeError::TooManyChoices {
+            prompts: 3,
+            n: 2,
+            max_queue: 4
+        })
+    );
+    let first = h.scheduler.submit(request(4)).unwrap();
+    let refused = h
+        .scheduler
+        .submit_prompts(vec![request(5), request(6)], 2)
+        .err();
+    assert!(
+        matches!(refused, Some(ServeError::Overloaded { .. })),
+        "{refused:?}"
+    );
+    let mut bad = request(6);
+    bad.prompt.push(1_000_000);
+    let refused = h.scheduler.submit_prompts(vec![request(5), bad], 1).err();
+    match refused {
+        Some(ServeError::Invalid(why)) => assert!(why.starts_with("prompt 1: token id"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(queued(&h), 1, "nothing of a refused list was queued");
+
+    let groups = h
+        .scheduler
+        .submit_prompts(vec![request(5), request(9), request(17)], 1)
+        .unwrap();
+    assert_eq!(groups.iter().map(Vec::len).collect::<Vec<_>>(), [1, 1, 1]);
+    assert_eq!(queued(&h), 4);
+    let mut streams: Vec<RequestStream> = groups.into_iter().flatten().collect();
+    streams.insert(0, first);
+    drive_to_the_end(&mut h, &mut streams, 100);
+    assert_eq!(h.scheduler.stats().finished, 4);
+}
+
 /// The (start, token count) of each row of each step.
 type StepRows = Vec<Vec<(usize, usize)>>;
 
