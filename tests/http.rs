@@ -85,7 +85,6 @@ fn completions_whole_and_streamed_match_a_solo_run_and_reuse_snapshots() {
         .unwrap();
     assert!(cached >= 64, "{second}");
     assert_eq!(first["choices"][0]["text"], second["choices"][0]["text"]);
-
     // Prometheus saw all of it.
     let (status, text) = server.get_text("/metrics");
     assert_eq!(status, 200);
@@ -103,6 +102,19 @@ fn completions_whole_and_streamed_match_a_solo_run_and_reuse_snapshots() {
     assert!(value("snapserve_step_duration_seconds_count") > 0.0);
     assert!(value("snapserve_prompt_tokens_total") > 100.0);
     assert!(value("snapserve_snapshot_bytes{tier=\"device\"}") > 0.0);
+
+    // Ended by a stop string (the caller's side ends it), it still reports what it restored.
+    let answer = first["choices"][0]["text"].as_str().unwrap();
+    let stop: String = answer.chars().skip(1).collect();
+    assert!(!stop.is_empty(), "{answer:?}");
+    let stopped_early = json!({"prompt": long, "max_tokens": 8, "temperature": 0, "stop": [stop]});
+    let (status, _, third) = server.post("/v1/completions", &stopped_early);
+    assert_eq!(status, 200, "{third}");
+    assert_eq!(third["choices"][0]["finish_reason"], "stop", "{third}");
+    assert_eq!(
+        third["usage"]["prompt_tokens_details"]["cached_tokens"], cached,
+        "{third}"
+    );
 }
 
 #[test]

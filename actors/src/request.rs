@@ -8,7 +8,7 @@
 //! reached one of the request's stop strings.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use engine::sampling::{SamplingParams, TokenLogprobs};
 pub use engine::stop::FinishReason;
@@ -67,18 +67,35 @@ pub(crate) enum Delivery {
     End(Event),
 }
 
-/// Set by the caller when its text reached a stop string; read by the scheduler once the
-/// caller's end is closed, to end the request as finished rather than cancelled.
+/// What a request's two ends share besides its events: the caller's stop, set when its text
+/// reached a stop string and read by the scheduler once the caller's end is closed, to end the
+/// request as finished rather than cancelled; and the prompt tokens the scheduler restored
+/// instead of computing, which the usage of a request the caller stopped itself reports.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct StopFlag(Arc<AtomicBool>);
+pub(crate) struct RequestLink(Arc<Shared>);
 
-impl StopFlag {
+#[derive(Debug, Default)]
+struct Shared {
+    stopped: AtomicBool,
+    cached_tokens: AtomicUsize,
+}
+
+impl RequestLink {
     pub fn is_set(&self) -> bool {
-        self.0.load(Ordering::Acquire)
+        self.0.stopped.load(Ordering::Acquire)
     }
 
     fn set(&self) {
-        self.0.store(true, Ordering::Release);
+        self.0.stopped.store(true, Ordering::Release);
+    }
+
+    /// Publishes the request's cached prompt tokens (its `usage.cached_tokens`).
+    pub fn set_cached_tokens(&self, tokens: usize) {
+        self.0.cached_tokens.store(tokens, Ordering::Relaxed);
+    }
+
+    fn cached_tokens(&self) -> usize {
+        self.0.cached_tokens.load(Ordering::Relaxed)
     }
 }
 
@@ -87,7 +104,7 @@ impl StopFlag {
 pub struct RequestStream {
     pub id: RequestId,
     pub(crate) events: mailbox::Receiver<Delivery>,
-    stopped: StopFlag,
+    stopped: RequestLink,
     /// Tokens of a batch not yet handed out.
     pending: std::vec::IntoIter<u32>,
     /// The same for a batch that came with log-probabilities.
@@ -107,7 +124,7 @@ impl RequestStream {
     pub(crate) fn new(
         id: RequestId,
         events: mailbox::Receiver<Delivery>,
-        stopped: StopFlag,
+        stopped: RequestLink,
     ) -> Self {
         RequestStream {
             id,
@@ -124,6 +141,13 @@ impl RequestStream {
     /// request finished with [`FinishReason::Stop`]. Tokens it generated meanwhile are dropped.
     pub fn stop(self) {
         self.stopped.set();
+    }
+
+    /// Prompt tokens restored from a snapshot or copied instead of computed, as far as the
+    /// scheduler has told (0 before the request is admitted): what the `Finished` usage's
+    /// `cached_tokens` would say, for a caller that ends the request itself.
+    pub fn cached_tokens(&self) -> usize {
+        self.stopped.cached_tokens()
     }
 
     /// The next event, or `None` once the terminal event has been read.

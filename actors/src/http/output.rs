@@ -258,11 +258,13 @@ impl Output {
                     };
                     let out = self.stops.push(&text);
                     if out.matched.is_some() {
+                        let mut cached = None;
                         if let Some(events) = self.events.take() {
+                            cached = Some(events.cached_tokens());
                             events.stop();
                         }
                         metrics::request_done(self.submitted.elapsed().as_secs_f64(), "stop");
-                        let usage = self.usage(self.completion_tokens, None);
+                        let usage = self.usage(self.completion_tokens, cached);
                         let end = End::Finished {
                             reason: "stop",
                             usage,

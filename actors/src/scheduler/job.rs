@@ -14,7 +14,7 @@ use engine::sampling::{Sampler, SamplingParams, TokenLogprobs};
 use policy::Backoff;
 
 use crate::error::ServeError;
-use crate::request::{Delivery, Event, FinishReason, RequestId, StopFlag, Usage};
+use crate::request::{Delivery, Event, FinishReason, RequestId, RequestLink, Usage};
 
 /// The pages a running job holds.
 #[derive(Debug)]
@@ -39,7 +39,7 @@ pub(crate) struct Job {
     pub id: RequestId,
     events: mailbox::Sender<Delivery>,
     /// Set by the caller whose text reached a stop string.
-    stopped: StopFlag,
+    stopped: RequestLink,
     pub tokens: Vec<u32>,
     pub prompt_len: usize,
     /// Most tokens it may generate (already clipped to the model's context).
@@ -118,7 +118,7 @@ impl Job {
         max_new: usize,
         sampler: Sampler,
         events: mailbox::Sender<Delivery>,
-        stopped: StopFlag,
+        stopped: RequestLink,
         submitted_at: Instant,
     ) -> Self {
         let usage = Usage {
@@ -197,6 +197,12 @@ impl Job {
     /// Whether the caller ended the request because its text reached a stop string.
     pub fn stopped_by_caller(&self) -> bool {
         self.stopped.is_set()
+    }
+
+    /// Sets its prompt tokens not computed (`usage.cached_tokens`), and tells its caller.
+    pub fn set_cached_tokens(&mut self, tokens: usize) {
+        self.usage.cached_tokens = tokens;
+        self.stopped.set_cached_tokens(tokens);
     }
 
     /// Whether it may run, or be admitted, now: not restoring, not backing off, and not

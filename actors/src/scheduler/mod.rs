@@ -43,7 +43,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::ServeError;
-use crate::request::{GenerateRequest, RequestId, RequestStream, StopFlag};
+use crate::request::{GenerateRequest, RequestId, RequestLink, RequestStream};
 use job::Job;
 pub use step::StepOutcome;
 use step::{Draft, StoreFollowUp};
@@ -378,7 +378,7 @@ impl Scheduler {
             params.seed = params.seed.map(|seed| seed.wrapping_add(i as u64));
             let sampler = Sampler::new(&params, &request.prompt);
             let (events, receiver) = crate::mailbox::channel();
-            let stopped = StopFlag::default();
+            let stopped = RequestLink::default();
             let mut job = Job::new(
                 id,
                 request.prompt.clone(),

@@ -1113,7 +1113,7 @@ impl Scheduler {
             if let Some(end) = self.first_token_from(&mut job, &logits) {
                 // Done before computing anything: its pages are never written, so nothing
                 // restores into them and nothing saves from them.
-                job.usage.cached_tokens = job.prompt_len;
+                job.set_cached_tokens(job.prompt_len);
                 first = 0;
                 if let Some(pinned) = pinned.take() {
                     self.follow_ups
@@ -1128,7 +1128,7 @@ impl Scheduler {
                 .expect("a new slot holds the positions it restores");
             job.computed = resume_at(&job, plan.tokens);
             job.restoring = Some(plan.snapshot);
-            job.usage.cached_tokens += job.computed;
+            job.set_cached_tokens(job.usage.cached_tokens + job.computed);
             self.stats.restored_tokens += job.computed as u64;
             draft.restores.push((index, plan.snapshot));
             step.restores.push(RestoreCopy {
@@ -1931,7 +1931,7 @@ impl Scheduler {
             .stats
             .restored_tokens
             .saturating_sub(job.usage.cached_tokens as u64);
-        job.usage.cached_tokens = 0;
+        job.set_cached_tokens(0);
         job.computed = 0;
         job.forget_in_flight();
         // What it found stored was the corrupt snapshot: its prompt is saved anew.
