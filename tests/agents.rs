@@ -802,3 +802,79 @@ fn a_list_of_prompts_is_answered_prompt_by_prompt() {
     assert!(message.contains("prompt 1: token id 99999999"), "{message}");
     assert!(server.is_idle());
 }
+
+/// `/tokenize` counts what a request computes: a prompt's tokens are a completion's
+/// `prompt_tokens`, a chat's (with the tools it offers) a chat completion's; `/detokenize`
+/// gives the text back; a request that names neither, both, or a token outside the
+/// vocabulary is a 400 that says so.
+#[test]
+fn tokenize_counts_what_a_request_computes() {
+    let server = Server::start(&smollm2(), CONFIG);
+    let prompt = "The capital of France is";
+    let (status, _, tokenized) = server.post(
+        "/tokenize",
+        &json!({"prompt": prompt, "return_token_strs": true}),
+    );
+    assert_eq!(status, 200, "{tokenized}");
+    let (_, _, completion) = server.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 1}),
+    );
+    assert_eq!(tokenized["count"], completion["usage"]["prompt_tokens"]);
+    let tokens = tokenized["tokens"].as_array().unwrap();
+    assert_eq!(tokens.len() as u64, tokenized["count"].as_u64().unwrap());
+    assert_eq!(
+        tokenized["token_strs"].as_array().unwrap().len(),
+        tokens.len()
+    );
+    assert!(tokenized["max_model_len"].as_u64().unwrap() > 0);
+    let (status, _, text) = server.post("/detokenize", &json!({"tokens": tokens}));
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(text["prompt"], prompt);
+
+    let messages = json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    let tools = json!([{"type": "function", "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }}]);
+    for chat in [
+        json!({"messages": messages}),
+        json!({"messages": messages, "tools": tools}),
+    ] {
+        let (status, _, tokenized) = server.post("/tokenize", &chat);
+        assert_eq!(status, 200, "{tokenized}");
+        let mut ask = chat.clone();
+        ask["max_tokens"] = json!(1);
+        let (_, _, reply) = server.post("/v1/chat/completions", &ask);
+        assert_eq!(
+            tokenized["count"], reply["usage"]["prompt_tokens"],
+            "{chat} -> {reply}"
+        );
+    }
+
+    for (path, body, param) in [
+        ("/tokenize", json!({}), Value::Null),
+        (
+            "/tokenize",
+            json!({"prompt": "a", "messages": messages}),
+            Value::Null,
+        ),
+        (
+            "/tokenize",
+            json!({"prompt": [1, 99_999_999]}),
+            json!("prompt"),
+        ),
+        ("/tokenize", json!({"prompt": ["a", "b"]}), json!("prompt")),
+        (
+            "/detokenize",
+            json!({"tokens": [99_999_999]}),
+            json!("tokens"),
+        ),
+        ("/detokenize", json!({"tokens": "abc"}), json!("tokens")),
+    ] {
+        let (status, _, answer) = server.post(path, &body);
+        assert_eq!(status, 400, "{path} {body} -> {answer}");
+        assert_eq!(answer["error"]["param"], param, "{answer}");
+    }
+    assert!(server.is_idle());
+}

@@ -294,6 +294,17 @@ pub struct Prepared {
     pub best_of: Option<usize>,
 }
 
+/// A chat request's prompt as its template renders it ([`ChatRequest::render`]), with the
+/// tools it offers and how it wants them called.
+pub struct Rendered {
+    pub prompt: Vec<u32>,
+    tools: Vec<Tool>,
+    choice: Choice,
+    format: ToolFormat,
+    /// Tools are offered (some are listed and `tool_choice` is not `none`).
+    offered: bool,
+}
+
 /// The most choices one request may ask for.
 pub const MAX_CHOICES: usize = 64;
 
@@ -659,6 +670,49 @@ impl ChatRequest {
             (true, top) => Some(top.unwrap_or(0)),
             (false, None) => None,
         };
+        let Rendered {
+            prompt,
+            tools,
+            choice,
+            format,
+            offered,
+        } = self.render(model)?;
+        let forced = match &choice {
+            Choice::Required | Choice::Named(_) => {
+                let only = match &choice {
+                    Choice::Named(name) => Some(name.as_str()),
+                    _ => None,
+                };
+                let mistral = model.tokenizer.token_to_id("[TOOL_CALLS]");
+                let lark = format
+                    .forced_call_grammar(&tools, only, mistral)
+                    .map_err(|e| ApiError::invalid_param("tool_choice", e))?;
+                Some((GrammarSpec::Lark(lark), "tool_choice"))
+            }
+            Choice::None | Choice::Auto => None,
+        };
+        let max_tokens = self.max_completion_tokens.or(self.max_tokens);
+        // Without a limit, a chat reply may use the rest of the context.
+        let prepared = self.sampling.prepare(
+            model,
+            vec![prompt],
+            max_tokens,
+            model.limit.tokens,
+            logprobs,
+            forced,
+        )?;
+        let tools = offered.then(|| ToolUse {
+            format,
+            names: tools.iter().map(|t| t.name.clone()).collect(),
+            single: self.parallel_tool_calls == Some(false),
+        });
+        Ok(Prepared { tools, ..prepared })
+    }
+
+    /// The prompt the chat template renders from the messages (and the tools, when offered),
+    /// with the generation prompt, tokenized: what a reply is generated after, and what
+    /// `/tokenize` counts.
+    pub fn render(&self, model: &Model) -> Result<Rendered, ApiError> {
         let Some(template) = &model.chat_template else {
             return Err(ApiError::invalid(format!(
                 "{} has no chat template; use /v1/completions",
@@ -714,36 +768,13 @@ impl ChatRequest {
             .tokenizer
             .encode_rendered(&rendered)
             .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
-        let forced = match &choice {
-            Choice::Required | Choice::Named(_) => {
-                let only = match &choice {
-                    Choice::Named(name) => Some(name.as_str()),
-                    _ => None,
-                };
-                let mistral = model.tokenizer.token_to_id("[TOOL_CALLS]");
-                let lark = format
-                    .forced_call_grammar(&tools, only, mistral)
-                    .map_err(|e| ApiError::invalid_param("tool_choice", e))?;
-                Some((GrammarSpec::Lark(lark), "tool_choice"))
-            }
-            Choice::None | Choice::Auto => None,
-        };
-        let max_tokens = self.max_completion_tokens.or(self.max_tokens);
-        // Without a limit, a chat reply may use the rest of the context.
-        let prepared = self.sampling.prepare(
-            model,
-            vec![prompt],
-            max_tokens,
-            model.limit.tokens,
-            logprobs,
-            forced,
-        )?;
-        let tools = offered.then(|| ToolUse {
+        Ok(Rendered {
+            prompt,
+            tools,
+            choice,
             format,
-            names: tools.iter().map(|t| t.name.clone()).collect(),
-            single: self.parallel_tool_calls == Some(false),
-        });
-        Ok(Prepared { tools, ..prepared })
+            offered,
+        })
     }
 
     /// The `tools` list, checked.
@@ -918,7 +949,7 @@ pub(super) fn message_of(
     Ok(out)
 }
 
-fn encode(model: &Model, text: &str) -> Result<Vec<u32>, ApiError> {
+pub(super) fn encode(model: &Model, text: &str) -> Result<Vec<u32>, ApiError> {
     model
         .tokenizer
         .encode_prompt(text)

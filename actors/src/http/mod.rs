@@ -18,6 +18,7 @@ mod error;
 mod output;
 mod serve;
 mod snapshots;
+mod tokens;
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -120,6 +121,8 @@ pub fn routes(config: &mut web::ServiceConfig) {
         .service(only("/metrics", "GET").route(web::get().to(prometheus_metrics)))
         .service(only("/v1/completions", "POST").route(web::post().to(completions)))
         .service(only("/v1/chat/completions", "POST").route(web::post().to(chat_completions)))
+        .service(only("/tokenize", "POST").route(web::post().to(tokens::tokenize)))
+        .service(only("/detokenize", "POST").route(web::post().to(tokens::detokenize)))
         .service(
             only("/v1/snapshots", "GET, POST")
                 .route(web::get().to(snapshots::list))
@@ -202,8 +205,9 @@ async fn not_found(request: actix_web::HttpRequest) -> Result<HttpResponse, ApiE
         code: "not_found",
         ..ApiError::invalid(format!(
             "no route for {} {}; this server has GET /health, GET /v1/models, \
-             GET /v1/models/{{id}}, GET /metrics, POST /v1/completions and \
-             POST /v1/chat/completions",
+             GET /v1/models/{{id}}, GET /metrics, POST /v1/completions, \
+             POST /v1/chat/completions, POST /tokenize, POST /detokenize and \
+             /v1/snapshots",
             request.method(),
             request.path()
         ))

@@ -1,0 +1,134 @@
+//! `POST /tokenize` and `POST /detokenize` (as vLLM, TGI and llama.cpp's server offer them): the
+//! tokens a prompt, or a chat's messages, come to exactly as `/v1/completions` and
+//! `/v1/chat/completions` would compute them, and the text of a list of token ids. A client
+//! budgets its context with them without a tokenizer of its own.
+
+use actix_web::{HttpRequest, HttpResponse, web};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::api::{ChatRequest, Message, Prompt, ToolDef, check_model, encode};
+use super::error::ApiError;
+use super::{ApiState, Model, body, off_the_worker};
+
+/// A prompt (text or token ids, as completions take it) or a chat (`messages`, with the
+/// `tools` and `tool_choice` a chat request would offer), one of them.
+#[derive(Debug, Deserialize)]
+pub struct TokenizeRequest {
+    model: Option<String>,
+    prompt: Option<Prompt>,
+    messages: Option<Vec<Message>>,
+    tools: Option<Vec<ToolDef>>,
+    tool_choice: Option<Value>,
+    /// Each token's text too (`token_strs`).
+    return_token_strs: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct DetokenizeRequest {
+    model: Option<String>,
+    tokens: Vec<u32>,
+}
+
+impl TokenizeRequest {
+    fn answer(self, model: &Model) -> Result<Value, ApiError> {
+        check_model(self.model.as_deref(), model)?;
+        let tokens = match (self.prompt, self.messages) {
+            (Some(_), Some(_)) | (None, None) => {
+                return Err(ApiError::invalid(
+                    "give what to tokenize as `prompt` or as `messages`, one of them",
+                ));
+            }
+            (Some(Prompt::Text(text)), None) => encode(model, &text)?,
+            (Some(Prompt::Tokens(ids)), None) => ids,
+            (Some(Prompt::Texts(_) | Prompt::TokenLists(_)), None) => {
+                return Err(ApiError::invalid_param(
+                    "prompt",
+                    "one prompt per request: a string or a list of token ids",
+                ));
+            }
+            (None, Some(messages)) => {
+                let chat = ChatRequest {
+                    model: None,
+                    messages,
+                    max_tokens: None,
+                    max_completion_tokens: None,
+                    sampling: Default::default(),
+                    logprobs: None,
+                    top_logprobs: None,
+                    tools: self.tools,
+                    tool_choice: self.tool_choice,
+                    parallel_tool_calls: None,
+                };
+                chat.render(model)?.prompt
+            }
+        };
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= model.vocab_size) {
+            return Err(ApiError::invalid_param(
+                "prompt",
+                format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    model.vocab_size
+                ),
+            ));
+        }
+        let token_strs = self.return_token_strs.unwrap_or(false).then(|| {
+            tokens
+                .iter()
+                .map(|&id| model.tokenizer.id_to_token(id))
+                .collect::<Vec<_>>()
+        });
+        Ok(json!({
+            "count": tokens.len(),
+            "max_model_len": model.limit.tokens,
+            "tokens": tokens,
+            "token_strs": token_strs,
+        }))
+    }
+}
+
+impl DetokenizeRequest {
+    fn answer(self, model: &Model) -> Result<Value, ApiError> {
+        check_model(self.model.as_deref(), model)?;
+        if let Some(&bad) = self
+            .tokens
+            .iter()
+            .find(|&&t| t as usize >= model.vocab_size)
+        {
+            return Err(ApiError::invalid_param(
+                "tokens",
+                format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    model.vocab_size
+                ),
+            ));
+        }
+        let text = model
+            .tokenizer
+            .decode(&self.tokens, false)
+            .map_err(|e| ApiError::invalid_param("tokens", e.to_string()))?;
+        Ok(json!({ "prompt": text }))
+    }
+}
+
+pub async fn tokenize(
+    state: web::Data<ApiState>,
+    request: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let body: TokenizeRequest = body::read_json(&request, payload, state.body).await?;
+    let model = state.model.clone();
+    let answer = off_the_worker(move || body.answer(&model)).await?;
+    Ok(HttpResponse::Ok().json(answer))
+}
+
+pub async fn detokenize(
+    state: web::Data<ApiState>,
+    request: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let body: DetokenizeRequest = body::read_json(&request, payload, state.body).await?;
+    let model = state.model.clone();
+    let answer = off_the_worker(move || body.answer(&model)).await?;
+    Ok(HttpResponse::Ok().json(answer))
+}
