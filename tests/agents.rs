@@ -878,3 +878,63 @@ fn tokenize_counts_what_a_request_computes() {
     }
     assert!(server.is_idle());
 }
+
+/// vLLM's `continue_final_message`: the reply continues the assistant's final message (a reply
+/// the caller prefilled), its prompt the template's rendering of the messages cut right after
+/// that message's text, which `/tokenize` shows and a completion of those tokens answers the
+/// same; `add_generation_prompt: false` renders the turn closed without opening another.
+#[test]
+fn a_prefilled_reply_is_continued() {
+    let server = Server::start(&smollm2(), CONFIG);
+    let messages = json!([
+        {"role": "user", "content": "List three fruits as JSON."},
+        {"role": "assistant", "content": "{\"fruits\": [\""},
+    ]);
+    let (status, _, continued) = server.post(
+        "/tokenize",
+        &json!({"messages": messages, "continue_final_message": true}),
+    );
+    assert_eq!(status, 200, "{continued}");
+    let (_, _, closed) = server.post(
+        "/tokenize",
+        &json!({"messages": messages, "add_generation_prompt": false}),
+    );
+    let continued = continued["tokens"].as_array().unwrap();
+    let closed = closed["tokens"].as_array().unwrap();
+    assert!(
+        continued.len() < closed.len() && closed.starts_with(continued),
+        "the continued prompt is the closed turn without its end: {continued:?} / {closed:?}"
+    );
+
+    let (status, _, reply) = server.post(
+        "/v1/chat/completions",
+        &json!({
+            "messages": messages, "continue_final_message": true, "max_tokens": 10,
+            "temperature": 0,
+        }),
+    );
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["usage"]["prompt_tokens"], continued.len());
+    let (_, _, completion) = server.post(
+        "/v1/completions",
+        &json!({"prompt": continued, "max_tokens": 10, "temperature": 0}),
+    );
+    assert_eq!(
+        reply["choices"][0]["message"]["content"],
+        completion["choices"][0]["text"]
+    );
+
+    let user_last = json!([{"role": "user", "content": "Hi"}]);
+    for body in [
+        json!({"messages": user_last, "continue_final_message": true}),
+        json!({"messages": messages, "continue_final_message": true, "add_generation_prompt": true}),
+    ] {
+        let (status, _, answer) = server.post("/v1/chat/completions", &body);
+        assert_eq!(status, 400, "{body} -> {answer}");
+        assert_eq!(
+            answer["error"]["param"], "continue_final_message",
+            "{answer}"
+        );
+    }
+    assert!(server.is_idle());
+}

@@ -218,6 +218,12 @@ pub struct ChatRequest {
     pub tool_choice: Option<Value>,
     /// `false`: at most one call per reply (the first the model makes).
     pub parallel_tool_calls: Option<bool>,
+    /// vLLM's: whether the template opens the assistant's turn after the messages (default:
+    /// yes, unless the final message is continued).
+    pub add_generation_prompt: Option<bool>,
+    /// vLLM's: the final message is the assistant's, and the reply continues its text (a reply
+    /// prefilled by the caller) instead of opening a turn of its own.
+    pub continue_final_message: Option<bool>,
 }
 
 /// One entry of `tools`.
@@ -722,6 +728,25 @@ impl ChatRequest {
         if self.messages.is_empty() {
             return Err(ApiError::invalid_param("messages", "no messages"));
         }
+        let continuing = self.continue_final_message.unwrap_or(false);
+        let generation_prompt = self.add_generation_prompt.unwrap_or(!continuing);
+        if continuing && generation_prompt {
+            return Err(ApiError::invalid_param(
+                "continue_final_message",
+                "continuing the final message cannot open a new turn: leave \
+                 add_generation_prompt unset or false",
+            ));
+        }
+        let last = self.messages.len() - 1;
+        if continuing && self.messages[last].role != "assistant" {
+            return Err(ApiError::invalid_param(
+                "continue_final_message",
+                format!(
+                    "the final message to continue is the assistant's; messages[{last}] is the {}'s",
+                    self.messages[last].role
+                ),
+            ));
+        }
         let tools = self.tools()?;
         let choice = self.tool_choice(&tools)?;
         // A template that renders no tools gets them in a system message, in Hermes syntax.
@@ -740,7 +765,7 @@ impl ChatRequest {
                 }
                 _ => messages.insert(0, ChatMessage::new("system", &prompt)),
             }
-            template.render(&messages, true)
+            template.render(&messages, generation_prompt)
         } else if offered {
             let objects: Vec<Value> = self
                 .tools
@@ -759,11 +784,29 @@ impl ChatRequest {
                     json!({"type": "function", "function": function})
                 })
                 .collect();
-            template.render_with_tools(&messages, Some(&objects), true)
+            template.render_with_tools(&messages, Some(&objects), generation_prompt)
         } else {
-            template.render(&messages, true)
+            template.render(&messages, generation_prompt)
         }
         .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+        let rendered = match continuing {
+            false => rendered,
+            // The final message rendered whole, and what the template closes its turn with cut.
+            true => {
+                let text = &messages.last().expect("checked above").content;
+                let cut = rendered.rfind(text.as_str()).filter(|_| !text.is_empty());
+                match cut {
+                    Some(at) => rendered[..at + text.len()].to_string(),
+                    None => {
+                        return Err(ApiError::invalid_param(
+                            "continue_final_message",
+                            "the final message has no text the chat template renders as it \
+                             is, so there is nothing to continue",
+                        ));
+                    }
+                }
+            }
+        };
         let prompt = model
             .tokenizer
             .encode_rendered(&rendered)

@@ -12,7 +12,8 @@ use super::error::ApiError;
 use super::{ApiState, Model, body, off_the_worker};
 
 /// A prompt (text or token ids, as completions take it) or a chat (`messages`, with the
-/// `tools` and `tool_choice` a chat request would offer), one of them.
+/// `tools`, `tool_choice`, `add_generation_prompt` and `continue_final_message` a chat request
+/// would give), one of them.
 #[derive(Debug, Deserialize)]
 pub struct TokenizeRequest {
     model: Option<String>,
@@ -20,6 +21,8 @@ pub struct TokenizeRequest {
     messages: Option<Vec<Message>>,
     tools: Option<Vec<ToolDef>>,
     tool_choice: Option<Value>,
+    add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
     /// Each token's text too (`token_strs`).
     return_token_strs: Option<bool>,
 }
@@ -59,6 +62,8 @@ impl TokenizeRequest {
                     tools: self.tools,
                     tool_choice: self.tool_choice,
                     parallel_tool_calls: None,
+                    add_generation_prompt: self.add_generation_prompt,
+                    continue_final_message: self.continue_final_message,
                 };
                 chat.render(model)?.prompt
             }
