@@ -23,6 +23,11 @@ use engine::sampling::SamplingParams;
 use engine::select::{self, BackendKind, Resolved};
 use policy::Policies;
 
+/// jemalloc, not glibc's malloc: a step's buffers are freed on one thread and reused on another
+/// (the scheduler's and the engine's), which glibc's per-thread arenas make slow (BENCHMARKS).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Parser)]
 #[command(
     name = "snapserve",

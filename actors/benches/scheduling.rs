@@ -23,6 +23,10 @@
 
 use std::time::{Duration, Instant};
 
+/// The server's allocator (`src/main.rs`): what is timed is the server's step.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 use actors::scheduler::{Phase, Scheduler};
 use actors::{GenerateRequest, Parts, ServeConfig};
 use cache::{BackingId, KvGeometry, PageClone, PageCopy, Tier};
