@@ -81,11 +81,11 @@ struct Shared {
 }
 
 impl RequestLink {
-    pub fn is_set(&self) -> bool {
+    pub fn is_stopped(&self) -> bool {
         self.0.stopped.load(Ordering::Acquire)
     }
 
-    fn set(&self) {
+    fn stop(&self) {
         self.0.stopped.store(true, Ordering::Release);
     }
 
@@ -140,7 +140,7 @@ impl RequestStream {
     /// scheduler sees the closed stream within one step, releases the pages and counts the
     /// request finished with [`FinishReason::Stop`]. Tokens it generated meanwhile are dropped.
     pub fn stop(self) {
-        self.stopped.set();
+        self.stopped.stop();
     }
 
     /// Prompt tokens restored from a snapshot or copied instead of computed, as far as the

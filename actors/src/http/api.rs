@@ -30,6 +30,35 @@ pub enum Prompt {
     TokenLists(Vec<Vec<u32>>),
 }
 
+impl Prompt {
+    /// The tokens of a request that takes one prompt (`/tokenize`, a prefix to keep): text
+    /// encoded as completions encode it, or token ids as given. A list of `what`s is refused.
+    pub(super) fn single(&self, model: &Model, what: &str) -> Result<Vec<u32>, ApiError> {
+        match self {
+            Prompt::Text(text) => encode(model, text),
+            Prompt::Tokens(ids) => Ok(ids.clone()),
+            Prompt::Texts(_) | Prompt::TokenLists(_) => Err(ApiError::invalid_param(
+                "prompt",
+                format!("one {what} per request: a string or a list of token ids"),
+            )),
+        }
+    }
+}
+
+/// Refuses a token id outside the model's vocabulary, naming `param`.
+pub(super) fn check_vocabulary(tokens: &[u32], model: &Model, param: &str) -> Result<(), ApiError> {
+    match tokens.iter().find(|&&t| t as usize >= model.vocab_size) {
+        Some(&bad) => Err(ApiError::invalid_param(
+            param,
+            format!(
+                "token id {bad} is outside the vocabulary of {}",
+                model.vocab_size
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Told apart by the JSON's shape as it is read: a list's first element says which list it is,
 /// and the rest are read as that, so a prompt of a whole context of token ids is parsed once,
 /// with no copy of it held aside to try each shape in turn (as an untagged enum would).
@@ -203,7 +232,7 @@ pub struct CompletionRequest {
     pub suffix: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 pub struct ChatRequest {
     pub model: Option<String>,
     pub messages: Vec<Message>,

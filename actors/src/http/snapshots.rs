@@ -14,7 +14,7 @@ use cache::{CacheError, SnapshotId, SnapshotInfo, SnapshotState};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::api::{Message, Prompt, message_of};
+use super::api::{Message, Prompt, check_vocabulary, message_of};
 use super::error::ApiError;
 use super::{ApiState, Model, body};
 
@@ -35,14 +35,7 @@ impl KeepRequest {
                     "give the prefix to keep as `prompt` or as `messages`, one of them",
                 ));
             }
-            (Some(Prompt::Text(text)), None) => encode(model, text, "prompt")?,
-            (Some(Prompt::Tokens(ids)), None) => ids.clone(),
-            (Some(Prompt::Texts(_) | Prompt::TokenLists(_)), None) => {
-                return Err(ApiError::invalid_param(
-                    "prompt",
-                    "one prefix per request: a string or a list of token ids",
-                ));
-            }
+            (Some(prompt), None) => prompt.single(model, "prefix")?,
             (None, Some(messages)) => {
                 let Some(template) = &model.chat_template else {
                     return Err(ApiError::invalid_param(
@@ -68,24 +61,9 @@ impl KeepRequest {
                     .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?
             }
         };
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= model.vocab_size) {
-            return Err(ApiError::invalid_param(
-                "prompt",
-                format!(
-                    "token id {bad} is outside the vocabulary of {}",
-                    model.vocab_size
-                ),
-            ));
-        }
+        check_vocabulary(&tokens, model, "prompt")?;
         Ok(tokens)
     }
-}
-
-fn encode(model: &Model, text: &str, param: &str) -> Result<Vec<u32>, ApiError> {
-    model
-        .tokenizer
-        .encode_prompt(text)
-        .map_err(|e| ApiError::invalid_param(param, e.to_string()))
 }
 
 /// A snapshot as the API shows it.

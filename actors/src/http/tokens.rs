@@ -7,7 +7,7 @@ use actix_web::{HttpRequest, HttpResponse, web};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::api::{ChatRequest, Message, Prompt, ToolDef, check_model, encode};
+use super::api::{ChatRequest, Message, Prompt, ToolDef, check_model, check_vocabulary};
 use super::error::ApiError;
 use super::{ApiState, Model, body, off_the_worker};
 
@@ -42,41 +42,20 @@ impl TokenizeRequest {
                     "give what to tokenize as `prompt` or as `messages`, one of them",
                 ));
             }
-            (Some(Prompt::Text(text)), None) => encode(model, &text)?,
-            (Some(Prompt::Tokens(ids)), None) => ids,
-            (Some(Prompt::Texts(_) | Prompt::TokenLists(_)), None) => {
-                return Err(ApiError::invalid_param(
-                    "prompt",
-                    "one prompt per request: a string or a list of token ids",
-                ));
-            }
+            (Some(prompt), None) => prompt.single(model, "prompt")?,
             (None, Some(messages)) => {
                 let chat = ChatRequest {
-                    model: None,
                     messages,
-                    max_tokens: None,
-                    max_completion_tokens: None,
-                    sampling: Default::default(),
-                    logprobs: None,
-                    top_logprobs: None,
                     tools: self.tools,
                     tool_choice: self.tool_choice,
-                    parallel_tool_calls: None,
                     add_generation_prompt: self.add_generation_prompt,
                     continue_final_message: self.continue_final_message,
+                    ..ChatRequest::default()
                 };
                 chat.render(model)?.prompt
             }
         };
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= model.vocab_size) {
-            return Err(ApiError::invalid_param(
-                "prompt",
-                format!(
-                    "token id {bad} is outside the vocabulary of {}",
-                    model.vocab_size
-                ),
-            ));
-        }
+        check_vocabulary(&tokens, model, "prompt")?;
         let token_strs = self.return_token_strs.unwrap_or(false).then(|| {
             tokens
                 .iter()
@@ -95,19 +74,7 @@ impl TokenizeRequest {
 impl DetokenizeRequest {
     fn answer(self, model: &Model) -> Result<Value, ApiError> {
         check_model(self.model.as_deref(), model)?;
-        if let Some(&bad) = self
-            .tokens
-            .iter()
-            .find(|&&t| t as usize >= model.vocab_size)
-        {
-            return Err(ApiError::invalid_param(
-                "tokens",
-                format!(
-                    "token id {bad} is outside the vocabulary of {}",
-                    model.vocab_size
-                ),
-            ));
-        }
+        check_vocabulary(&self.tokens, model, "tokens")?;
         let text = model
             .tokenizer
             .decode(&self.tokens, false)

@@ -196,7 +196,7 @@ impl Job {
 
     /// Whether the caller ended the request because its text reached a stop string.
     pub fn stopped_by_caller(&self) -> bool {
-        self.stopped.is_set()
+        self.stopped.is_stopped()
     }
 
     /// Sets its prompt tokens not computed (`usage.cached_tokens`), and tells its caller.
