@@ -1,12 +1,13 @@
 //! The OpenAI-compatible HTTP API over the actors: `POST /v1/completions` and
 //! `POST /v1/chat/completions` (whole or streamed as server-sent events), `GET /v1/models`,
-//! `GET /v1/models/{id}`, `GET /metrics` and `GET /health`; another method on one of those paths
-//! is a 405 with `Allow`.
+//! `GET /v1/models/{id}`, `POST /tokenize`, `POST /detokenize`, `GET /metrics`, `GET /health`,
+//! and the snapshot admin routes under `/v1/snapshots` when an admin key is set; another method
+//! on one of those paths is a 405 with `Allow`.
 //!
-//! A handler tokenizes and checks the request ([`api`]), submits it through [`Handles`] and
+//! A handler tokenizes and checks the request (`api`), submits it through [`Handles`] and
 //! reads the request's own channel, turning tokens into text as they become final
-//! ([`output`]). A full queue is a 429 with `Retry-After`; bad input a 400 that says why
-//! ([`error`]); a body too large or too slow a 413 or 408 ([`body`]). A client that goes away
+//! (`output`). A full queue is a 429 with `Retry-After`; bad input a 400 that says why
+//! (`error`); a body too large or too slow a 413 or 408 (`body`). A client that goes away
 //! (its connection closes, whether or not the answer is streamed) drops the request's stream,
 //! which cancels the request and frees its pages within a step. [`serve`] runs the server
 //! and its shutdown.

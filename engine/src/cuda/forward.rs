@@ -48,7 +48,7 @@ const BLOCKS_PER_MULTIPROCESSOR: usize = 8;
 const DECODE_BLOCKS_PER_MULTIPROCESSOR: usize = 2;
 
 /// Prefill attention splits an item's keys over at most this many blocks, each at least
-/// [`PREFILL_MIN_SPLIT_KEYS`] long.
+/// `PREFILL_MIN_SPLIT_KEYS` (256) long.
 pub const PREFILL_MAX_SPLITS: usize = 64;
 const PREFILL_MIN_SPLIT_KEYS: usize = 256;
 
@@ -511,7 +511,7 @@ enum Stream {
 }
 
 /// Splits for decode attention over `rows` rows: enough blocks to fill the device
-/// [`DECODE_BLOCKS_PER_MULTIPROCESSOR`] times over, at most [`MAX_SPLITS`]. Each row uses fewer
+/// `DECODE_BLOCKS_PER_MULTIPROCESSOR` times over, at most [`MAX_SPLITS`]. Each row uses fewer
 /// where it is short (see the kernel), so a launch shape serves every context length.
 ///
 /// With clusters of `cluster` blocks (1: none; see [`AttnShape::decode_cluster`]), where a

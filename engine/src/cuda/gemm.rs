@@ -239,7 +239,7 @@ impl Gemm {
     /// Times the default product and cuBLASLt's candidates for each of `shapes` (bf16 output)
     /// on the given operands (`x` of at least `tokens · in` elements, each of the shape's
     /// weights `w` of `out · in`, `y` of `tokens · out`; their values do not matter), and keeps
-    /// the fastest candidate of each shape that beats the default by [`TUNED_MIN_GAIN`]. Not
+    /// the fastest candidate of each shape that beats the default by `TUNED_MIN_GAIN`. Not
     /// while a graph is captured.
     ///
     /// A shape's runs go through its weights in turn (every layer's, as a step reads them): on

@@ -7,7 +7,7 @@
 //! device. (An arena configured empty, as in tests and benchmarks, grows a chunk on demand.)
 //! Pinning a host arena of tens of GiB takes seconds, and the driver serializes it with the
 //! other threads' calls, so the host arena is reserved as plain memory and pinned a gibibyte at
-//! a time on a thread of its own ([`HostArena`]) while the server starts and serves: its pages
+//! a time on a thread of its own (`HostArena`) while the server starts and serves: its pages
 //! become usable as they are pinned, and until there are enough a demotion drops its snapshot
 //! as it would with the host tier full.
 //!
