@@ -12,7 +12,9 @@
 //! Through the actors, with the next step planned while the engine runs the one before it
 //! (`[admission] overlap_steps`, the default) and without (`OVERLAP=on,off` picks). The
 //! callers read their streams on the actors' thread, or with `READERS=thread` on a thread of
-//! their own, as a server's HTTP workers do. Through the actors it also prints the processor
+//! their own, as a server's HTTP workers do; either way through a stream inbox on the readers'
+//! thread, as those workers have (`INBOX=off`: each stream delivered to on its own). Through
+//! the actors it also prints the processor
 //! time the actors' thread spent a step (the scheduler's messages, planning and bookkeeping,
 //! and the readers when they share it): what must fit under the engine's step for planning
 //! to stay hidden behind it, while the wall-clock figure also holds the waits of a step's
@@ -230,9 +232,15 @@ async fn measure(batch: usize, decode_steps: usize, overlap: bool) -> (Duration,
     for request in requests(batch) {
         streams.push(handles.submit(request).await.unwrap());
     }
+    // The HTTP server's workers deliver through an inbox a thread (`INBOX=off`: each stream
+    // on its own).
+    let inbox = std::env::var("INBOX").map_or(true, |i| i != "off");
     if std::env::var("READERS").is_ok_and(|r| r == "thread") {
         std::thread::spawn(move || {
             actix_rt::System::new().block_on(async move {
+                if inbox {
+                    actors::install_stream_inbox();
+                }
                 let readers: Vec<_> = streams
                     .into_iter()
                     .map(|mut s| actix_rt::spawn(async move { while s.next().await.is_some() {} }))
@@ -243,6 +251,9 @@ async fn measure(batch: usize, decode_steps: usize, overlap: bool) -> (Duration,
             })
         });
     } else {
+        if inbox {
+            actors::install_stream_inbox();
+        }
         for mut stream in streams {
             actix_rt::spawn(async move { while stream.next().await.is_some() {} });
         }

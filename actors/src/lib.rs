@@ -31,5 +31,6 @@ mod start;
 pub use error::ServeError;
 pub use request::{
     Completion, Event, FinishReason, GenerateRequest, RequestId, RequestStream, Usage,
+    install_stream_inbox,
 };
 pub use start::{Handles, Parts, ServeConfig, Stats, build, start};

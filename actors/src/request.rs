@@ -64,7 +64,9 @@ pub(crate) enum Delivery {
     Tokens(Vec<u32>),
     /// Tokens with their log-probabilities (each entry names its token).
     Scored(Vec<TokenLogprobs>),
-    End(Event),
+    /// Boxed: a step's deliveries cross to the readers' threads, and the rare end would make
+    /// every one of them as large as itself.
+    End(Box<Event>),
 }
 
 /// What a request's two ends share besides its events: the caller's stop, set when its text
@@ -97,6 +99,15 @@ impl RequestLink {
     fn cached_tokens(&self) -> usize {
         self.0.cached_tokens.load(Ordering::Relaxed)
     }
+}
+
+/// Has request streams first read on this thread delivered to through one inbox of the
+/// thread's, which the scheduler fills and wakes once a step, instead of each stream's events
+/// crossing between threads on their own (see the mailbox module). Call it on each thread that
+/// reads many streams, inside its local task set (an actix worker's, as the HTTP server does);
+/// a stream first read there must be read there. Does nothing if the thread has one.
+pub fn install_stream_inbox() {
+    mailbox::install_inbox::<Delivery>();
 }
 
 /// The caller's end of a request.
@@ -195,7 +206,7 @@ impl RequestStream {
                 self.pending_scored = scored.into_iter();
                 self.next_pending().expect("a batch is never empty")
             }
-            Delivery::End(event) => event,
+            Delivery::End(event) => *event,
         }
     }
 

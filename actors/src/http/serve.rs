@@ -67,6 +67,9 @@ pub async fn serve(state: ApiState, options: &ServeOptions) -> std::io::Result<S
         KeepAlive::Timeout(options.keep_alive)
     };
     let server = HttpServer::new(move || {
+        // Runs on each worker's thread: the streams its handlers read get their tokens
+        // through one inbox a worker, woken once a step.
+        crate::install_stream_inbox();
         App::new()
             .app_data(web::Data::new(state.clone()))
             .wrap(from_fn(super::auth::require_key))

@@ -264,14 +264,16 @@ impl Job {
         };
         let _ = self
             .events
-            .send(Delivery::End(Event::Finished { reason, usage }));
+            .send(Delivery::End(Box::new(Event::Finished { reason, usage })));
     }
 
     pub fn fail(self, error: ServeError) {
-        let _ = self.events.send(Delivery::End(Event::Failed(error)));
+        let _ = self
+            .events
+            .send(Delivery::End(Box::new(Event::Failed(error))));
     }
 
     pub fn cancel(self) {
-        let _ = self.events.send(Delivery::End(Event::Cancelled));
+        let _ = self.events.send(Delivery::End(Box::new(Event::Cancelled)));
     }
 }

@@ -2155,12 +2155,23 @@ enum End {
 
 /// Writes every cache line of `spare` once, back to back, so that this thread owns them before
 /// it fills them row by row.
-fn own_lines<T>(spare: &mut [std::mem::MaybeUninit<T>]) {
+pub(crate) fn own_lines<T>(spare: &mut [std::mem::MaybeUninit<T>]) {
     let bytes = std::mem::size_of_val(spare);
     let start = spare.as_mut_ptr().cast::<u8>();
     // Every 64th byte and the last: one in each line the capacity touches, however aligned.
     for at in (0..bytes).step_by(64).chain(bytes.checked_sub(1)) {
         // SAFETY: `at` is inside the `bytes`-long spare capacity; any byte may be written there.
         unsafe { start.add(at).write_volatile(0) };
+    }
+}
+
+/// Reads every cache line of `items` once, back to back: lines another thread wrote arrive
+/// together rather than one by one as a loop over the items reaches them.
+pub(crate) fn pull_lines<T>(items: &[T]) {
+    let bytes = std::mem::size_of_val(items);
+    let start = items.as_ptr().cast::<u8>();
+    for at in (0..bytes).step_by(64).chain(bytes.checked_sub(1)) {
+        // SAFETY: `at` is inside the `bytes`-long slice; reading a byte of it is sound.
+        unsafe { start.add(at).read_volatile() };
     }
 }
