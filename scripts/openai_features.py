@@ -216,6 +216,19 @@ def main():
     check("a list of token-id prompts", len(token_lists.choices) == 2
           and token_lists.usage.prompt_tokens == 5, f"{token_lists}")
 
+    # Scoring a text as lm-evaluation-harness's loglikelihood requests do: echo the prompt
+    # with its tokens' logprobs, one token generated.
+    scored = client.completions.create(
+        model=model, prompt="The capital of France is Paris", max_tokens=1, temperature=0,
+        echo=True, logprobs=1,
+    )
+    lp = scored.choices[0].logprobs
+    ok = (scored.choices[0].text.startswith("The capital of France is Paris")
+          and len(lp.tokens) == scored.usage.prompt_tokens + 1
+          and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+          and all(x is not None and x <= 0 for x in lp.token_logprobs[1:]))
+    check("echo with logprobs scores the prompt", ok, f"{lp}")
+
     print(f"{len(failures)} failed" if failures else "all passed")
     return 1 if failures else 0
 

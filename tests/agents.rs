@@ -144,7 +144,10 @@ fn logprobs_whole_and_streamed_in_openai_shapes() {
             "top_logprobs",
         ),
         (json!({"prompt": "Hi", "logprobs": 21}), "logprobs"),
-        (json!({"prompt": "Hi", "logprobs": 1, "echo": true}), "echo"),
+        (
+            json!({"prompt": "Hi", "logprobs": 1, "echo": true, "n": 2}),
+            "echo",
+        ),
     ];
     for (body, param) in refused {
         let path = if body.get("prompt").is_some() {
@@ -935,6 +938,108 @@ fn a_prefilled_reply_is_continued() {
             answer["error"]["param"], "continue_final_message",
             "{answer}"
         );
+    }
+    assert!(server.is_idle());
+}
+
+#[test]
+fn an_echoed_prompt_comes_with_its_tokens_logprobs() {
+    // `echo` with `logprobs` scores the prompt (as lm-evaluation-harness and other harnesses
+    // score text): each prompt token after the first gets its log-probability given the ones
+    // before it. Checked against the ordinary path: the likeliest token after each prefix,
+    // with its logprob, is what a greedy completion of that prefix picks. Steps of at most 16
+    // tokens: the prompt is scored over several chunks.
+    let server = Server::start(
+        &smollm2(),
+        "[cache]\npool_tokens = 16384\n[admission]\nmax_running = 8\nstep_token_budget = 16\n",
+    );
+    let prompt: Vec<u64> = {
+        let text = "The capital of France is Paris, and the capital of Italy is Rome. \
+                    The capital of Spain is Madrid, and the capital of Germany is Berlin.";
+        let (_, _, body) = server.post("/tokenize", &json!({ "prompt": text }));
+        body["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect()
+    };
+    let scored = |body: &Value| -> Value {
+        let (status, _, answer) = server.post("/v1/completions", body);
+        assert_eq!(status, 200, "{body} -> {answer}");
+        answer
+    };
+    let request = json!({
+        "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": true, "logprobs": 1,
+    });
+    let answer = scored(&request);
+    let logprobs = &answer["choices"][0]["logprobs"];
+    let tokens = logprobs["tokens"].as_array().unwrap();
+    let lps = logprobs["token_logprobs"].as_array().unwrap();
+    let tops = logprobs["top_logprobs"].as_array().unwrap();
+    let offsets = logprobs["text_offset"].as_array().unwrap();
+    assert!(prompt.len() > 16, "{} tokens: one chunk", prompt.len());
+    assert_eq!(
+        tokens.len(),
+        prompt.len() + 1,
+        "the prompt's tokens and the one generated"
+    );
+    assert_eq!(
+        (lps.len(), tops.len(), offsets.len()),
+        (tokens.len(), tokens.len(), tokens.len())
+    );
+    assert!(
+        lps[0].is_null() && tops[0].is_null(),
+        "the first token has none: {logprobs}"
+    );
+    let text: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(answer["choices"][0]["text"].as_str().unwrap(), text);
+    assert_eq!(answer["usage"]["prompt_tokens"], prompt.len());
+    for k in 1..prompt.len() {
+        let lp = assert_probability(&lps[k]);
+        let top = tops[k].as_object().unwrap();
+        assert_eq!(top.len(), 1, "{top:?}");
+        let (top_text, top_lp) = top.iter().next().unwrap();
+        let top_lp = assert_probability(top_lp);
+        assert!(
+            lp <= top_lp + 1e-5,
+            "token {k}: {lp} above the likeliest {top_lp}"
+        );
+        // The ordinary path: the prefix's greedy next token and its logprob.
+        let greedy = scored(&json!({
+            "prompt": &prompt[..k], "max_tokens": 1, "temperature": 0, "logprobs": 0,
+        }));
+        let g = &greedy["choices"][0]["logprobs"];
+        assert_eq!(
+            g["tokens"][0].as_str().unwrap(),
+            top_text,
+            "after {k} tokens"
+        );
+        let g_lp = assert_probability(&g["token_logprobs"][0]);
+        assert!(
+            (g_lp - top_lp).abs() < 2e-3,
+            "after {k} tokens: greedy {g_lp}, scored {top_lp}"
+        );
+    }
+
+    // The same request again (its prompt now in the snapshot store) and streamed: the same
+    // scores, every prompt token computed.
+    let again = scored(&request);
+    assert_eq!(again["choices"][0]["logprobs"], *logprobs);
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let chunks = chunks(&server.post_stream("/v1/completions", &streamed));
+    let first = &chunks[0]["choices"][0];
+    let echoed = first["logprobs"]["token_logprobs"].as_array().unwrap();
+    assert_eq!(
+        echoed.len(),
+        prompt.len(),
+        "the echo chunk scores the prompt: {first}"
+    );
+    for k in 1..prompt.len() {
+        let (a, b) = (echoed[k].as_f64().unwrap(), lps[k].as_f64().unwrap());
+        assert!((a - b).abs() < 1e-6, "token {k}: streamed {a}, whole {b}");
     }
     assert!(server.is_idle());
 }

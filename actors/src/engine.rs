@@ -25,7 +25,7 @@ use cache::{
 use engine::EngineError;
 use engine::backend::{Backend, BackendInfo, HostRun, MemoryReport, RowPlan, StepOutput, StepPlan};
 use engine::disk::{DiskDone, DiskFault, DiskSource, DiskTier, WriteJob};
-use engine::sampling::Sampler;
+use engine::sampling::{Sampler, TokenLogprobs, token_logprobs};
 use engine::stop::is_stop_token;
 
 use crate::request::RequestId;
@@ -539,6 +539,68 @@ impl Engine {
         result.map(|()| sampled)
     }
 
+    /// A step in which some rows score their request's prompt tokens: every row's logits come
+    /// to the host (the scoring rows' after every token), the scores are read from them into
+    /// `scores` (by plan row), and the rows that pick sample there. One step, no drafts.
+    fn score(
+        &mut self,
+        plan: &StepPlan,
+        samplers: &mut [Option<Box<Sampler>>],
+        rows: &[RowRequest],
+        (row_steps, drafts): (&[usize], &[usize]),
+        first_step: &mut (f64, bool),
+        scores: &mut Vec<(usize, Vec<TokenLogprobs>)>,
+    ) -> Result<SampledTokens, String> {
+        if !row_steps.is_empty() || !drafts.is_empty() {
+            return Err(
+                "a step that scores a prompt runs one decode step and verifies no draft (a bug \
+                 in the scheduler)"
+                    .into(),
+            );
+        }
+        let started = std::time::Instant::now();
+        let mut output = self.backend.step(plan).map_err(|e| e.to_string())?;
+        *first_step = (
+            started.elapsed().as_secs_f64(),
+            self.backend.last_step_captured(),
+        );
+        let vocab = output.vocab_size;
+        let mut sampled = SampledTokens::new(plan.rows.len(), 1);
+        for (i, (request, sampler)) in rows.iter().zip(samplers.iter_mut()).enumerate() {
+            let range = output.row_ranges[i].clone();
+            if let Some(score) = &request.score {
+                if range.len() < score.from + score.targets.len() {
+                    return Err(format!(
+                        "row {i} scores {} prompt tokens from its token {} but has {} rows of \
+                         logits (a bug in the scheduler)",
+                        score.targets.len(),
+                        score.from,
+                        range.len()
+                    ));
+                }
+                let logits = |k: usize| {
+                    let at = (range.start + score.from + k) * vocab;
+                    &output.logits[at..at + vocab]
+                };
+                let list = score
+                    .targets
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &target)| token_logprobs(logits(k), target, score.top))
+                    .collect();
+                scores.push((i, list));
+            }
+            if let Some(sampler) = sampler.as_deref_mut() {
+                if range.is_empty() {
+                    return Err(format!("row {i} has a sampler but asks for no logits"));
+                }
+                let last = (range.end - 1) * vocab;
+                sampled.push(i, sampler.sample(&mut output.logits[last..last + vocab]));
+            }
+        }
+        Ok(sampled)
+    }
+
     /// A step whose rows verify drafted tokens: each row's picks, the kept draft and the
     /// token after it.
     fn verify(
@@ -706,6 +768,7 @@ impl Engine {
                     None
                 },
                 failure: sampler.failure().map(str::to_owned),
+                prompt_logprobs: Vec::new(),
             };
             if !outcome.logprobs.is_empty()
                 || outcome.kept_logits.is_some()
@@ -728,6 +791,29 @@ impl Engine {
         let mut ids: Vec<RequestId> = self.samplers.iter().flatten().map(|r| r.request).collect();
         ids.sort_unstable();
         ids
+    }
+}
+
+/// Puts each row's prompt scores with what its pick left (`outcomes` and `scores` both by
+/// plan row, ascending).
+fn add_scores(outcomes: &mut Vec<(usize, PickOutcome)>, scores: Vec<(usize, Vec<TokenLogprobs>)>) {
+    if scores.is_empty() {
+        return;
+    }
+    for (row, list) in scores {
+        match outcomes.binary_search_by_key(&row, |(r, _)| *r) {
+            Ok(at) => outcomes[at].1.prompt_logprobs = list,
+            Err(at) => outcomes.insert(
+                at,
+                (
+                    row,
+                    PickOutcome {
+                        prompt_logprobs: list,
+                        ..PickOutcome::default()
+                    },
+                ),
+            ),
+        }
     }
 }
 
@@ -798,8 +884,17 @@ impl Engine {
         let mut first_step = (0.0, false);
         let mut cut_short = false;
         let (mut samplers, missing) = self.lend_samplers(&mut step);
+        let mut scores = Vec::new();
         let forward = match missing {
             Some(e) => Err(e),
+            None if step.rows.iter().any(|r| r.score.is_some()) => self.score(
+                &step.plan,
+                &mut samplers,
+                &step.rows,
+                (&step.row_steps, &step.drafts),
+                &mut first_step,
+                &mut scores,
+            ),
             None => self.forward(
                 &mut step.plan,
                 &mut samplers,
@@ -809,7 +904,8 @@ impl Engine {
                 &mut cut_short,
             ),
         };
-        let outcomes = self.keep_samplers(&step.rows, samplers, &forward);
+        let mut outcomes = self.keep_samplers(&step.rows, samplers, &forward);
+        add_scores(&mut outcomes, scores);
         let forwarded = began.elapsed();
         let restores = self.restore_outcomes(&step.restores, queued);
         for (s, done) in step.saves.iter().zip(&mut saves) {

@@ -183,6 +183,19 @@ pub struct RowRequest {
     pub request: RequestId,
     /// The row ends at its request's end: it picks the next token.
     pub pick: Option<Pick>,
+    /// Prompt tokens the row's logits score, when its request asked for the prompt's
+    /// log-probabilities (the row then wants the logits after every token).
+    pub score: Option<PromptScore>,
+}
+
+/// Prompt tokens a row scores ([`engine::sampling::SamplingParams::prompt_logprobs`]): the
+/// logits after the row's token `from + i` score `targets[i]`, the prompt token after it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptScore {
+    pub from: usize,
+    pub targets: Vec<u32>,
+    /// How many of the likeliest alternatives to report with each.
+    pub top: usize,
 }
 
 /// How a row picks its token.
@@ -215,6 +228,9 @@ pub struct PickOutcome {
     pub kept_logits: Option<Vec<f32>>,
     /// The request's grammar failed: its picks are not to be delivered.
     pub failure: Option<String>,
+    /// What the row's [`RowRequest::score`] asked for, in order (a row may score without
+    /// picking: a prompt's chunk before its last).
+    pub prompt_logprobs: Vec<TokenLogprobs>,
 }
 
 /// The tokens each plan row sampled, in order.

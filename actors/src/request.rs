@@ -64,6 +64,9 @@ pub(crate) enum Delivery {
     Tokens(Vec<u32>),
     /// Tokens with their log-probabilities (each entry names its token).
     Scored(Vec<TokenLogprobs>),
+    /// Log-probabilities of prompt tokens, in order, before the first token
+    /// ([`RequestStream::take_prompt_logprobs`]).
+    PromptScored(Vec<TokenLogprobs>),
     /// Boxed: a step's deliveries cross to the readers' threads, and the rare end would make
     /// every one of them as large as itself.
     End(Box<Event>),
@@ -122,6 +125,8 @@ pub struct RequestStream {
     pending_scored: std::vec::IntoIter<TokenLogprobs>,
     /// The log-probabilities of the token [`RequestStream::next`] returned last, if asked for.
     scored: Option<TokenLogprobs>,
+    /// The prompt's tokens' log-probabilities read so far, when asked for.
+    prompt_scores: Vec<TokenLogprobs>,
 }
 
 /// A whole request's output: its tokens and how it ended.
@@ -144,6 +149,7 @@ impl RequestStream {
             pending: Vec::new().into_iter(),
             pending_scored: Vec::new().into_iter(),
             scored: None,
+            prompt_scores: Vec::new(),
         }
     }
 
@@ -163,20 +169,35 @@ impl RequestStream {
 
     /// The next event, or `None` once the terminal event has been read.
     pub async fn next(&mut self) -> Option<Event> {
-        if let Some(event) = self.next_pending() {
-            return Some(event);
+        loop {
+            if let Some(event) = self.next_pending() {
+                return Some(event);
+            }
+            let delivery = self.events.recv().await?;
+            if let Some(event) = self.unpack(delivery) {
+                return Some(event);
+            }
         }
-        let delivery = self.events.recv().await?;
-        Some(self.unpack(delivery))
     }
 
     /// The next event if one is waiting, without waiting for one.
     pub fn try_next(&mut self) -> Option<Event> {
-        if let Some(event) = self.next_pending() {
-            return Some(event);
+        loop {
+            if let Some(event) = self.next_pending() {
+                return Some(event);
+            }
+            let delivery = self.events.try_recv()?;
+            if let Some(event) = self.unpack(delivery) {
+                return Some(event);
+            }
         }
-        let delivery = self.events.try_recv()?;
-        Some(self.unpack(delivery))
+    }
+
+    /// The log-probabilities of the prompt's tokens from its second on, each given the ones
+    /// before it (`SamplingParams::prompt_logprobs`), as far as they have arrived: all of them
+    /// once the first token or the end has been read.
+    pub fn take_prompt_logprobs(&mut self) -> Vec<TokenLogprobs> {
+        std::mem::take(&mut self.prompt_scores)
     }
 
     /// The log-probabilities of the token the last [`RequestStream::next`] returned, when the
@@ -195,8 +216,9 @@ impl RequestStream {
         Some(Event::Token(token))
     }
 
-    fn unpack(&mut self, delivery: Delivery) -> Event {
-        match delivery {
+    /// The delivery's first event; none for prompt scores, which are kept.
+    fn unpack(&mut self, delivery: Delivery) -> Option<Event> {
+        Some(match delivery {
             Delivery::Token(token) => Event::Token(token),
             Delivery::Tokens(tokens) => {
                 self.pending = tokens.into_iter();
@@ -206,8 +228,12 @@ impl RequestStream {
                 self.pending_scored = scored.into_iter();
                 self.next_pending().expect("a batch is never empty")
             }
+            Delivery::PromptScored(scores) => {
+                self.prompt_scores.extend(scores);
+                return None;
+            }
             Delivery::End(event) => *event,
-        }
+        })
     }
 
     /// Reads every event up to the terminal one.

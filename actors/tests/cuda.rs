@@ -419,3 +419,65 @@ async fn a_corruption_drill_refuses_every_damaged_snapshot_on_the_gpu() {
          recomputed, found where read (device, host, disk): {found:?}"
     );
 }
+
+/// A prompt scored on the GPU (`prompt_logprobs`, a completion's `echo` with `logprobs`):
+/// every token after the first gets a log-probability, over chunks of 32 tokens; the
+/// likeliest token after a prefix has what a greedy pick after that prefix reports (within
+/// the GPU's batch-dependent rounding; on random weights the likeliest may be a near tie, so
+/// the logprobs are compared, not the tokens).
+#[actix_rt::test]
+#[ignore = "needs a CUDA device"]
+async fn a_prompt_is_scored_on_the_gpu() {
+    let (_dir, files) = model();
+    let vocab = files.config.vocab_size;
+    let toml = "[admission]\nstep_token_budget = 32\n";
+    let handles = actors::start(
+        Box::new(cuda_backend(&files, 1024)),
+        serve_config(&files, policies(toml)),
+    )
+    .unwrap();
+    let prompt = prompt(900, 100, vocab);
+    let params = SamplingParams {
+        prompt_logprobs: Some(1),
+        ignore_eos: true,
+        ..greedy(1)
+    };
+    let mut stream = handles
+        .submit(GenerateRequest {
+            prompt: prompt.clone(),
+            params,
+        })
+        .await
+        .unwrap();
+    assert!(matches!(stream.next().await, Some(Event::Token(_))));
+    let scores = stream.take_prompt_logprobs();
+    assert_eq!(scores.len(), prompt.len() - 1);
+    for (k, score) in scores.iter().enumerate() {
+        assert_eq!(score.token, prompt[k + 1]);
+        assert_eq!(score.top.len(), 1);
+        assert!(score.logprob <= score.top[0].1 + 1e-4, "token {}", k + 1);
+    }
+    for k in [1, 31, 32, 33, 64, 99] {
+        let params = SamplingParams {
+            logprobs: Some(0),
+            ignore_eos: true,
+            ..greedy(1)
+        };
+        let mut greedy = handles
+            .submit(GenerateRequest {
+                prompt: prompt[..k].to_vec(),
+                params,
+            })
+            .await
+            .unwrap();
+        assert!(matches!(greedy.next().await, Some(Event::Token(_))));
+        let picked = greedy.logprobs().expect("asked for").logprob;
+        let likeliest = scores[k - 1].top[0].1;
+        assert!(
+            (picked - likeliest).abs() < 0.05,
+            "after {k} tokens: greedy {picked}, scored {likeliest}"
+        );
+    }
+    let stats = wait_idle(&handles).await;
+    assert_eq!(stats.pool.free_pages, stats.pool.total_pages);
+}

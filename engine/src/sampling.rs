@@ -78,6 +78,10 @@ pub struct SamplingParams {
     /// Report each chosen token's log-probability and this many of the likeliest alternatives
     /// (OpenAI's `logprobs`/`top_logprobs`); `None` reports nothing.
     pub logprobs: Option<usize>,
+    /// Report the log-probability of each prompt token after the first, given the tokens
+    /// before it, with this many of the likeliest alternatives (a completion's `echo` with
+    /// `logprobs`): from the model's logits alone, no bias or penalty. `None` reports nothing.
+    pub prompt_logprobs: Option<usize>,
     /// The grammar the output follows (structured outputs), compiled when the request was
     /// checked; each sampler starts its own copy.
     #[serde(skip)]
@@ -129,6 +133,7 @@ impl Default for SamplingParams {
             ignore_eos: false,
             logit_bias: Vec::new(),
             logprobs: None,
+            prompt_logprobs: None,
             constraint: None,
         }
     }
@@ -568,6 +573,20 @@ impl Sampler {
 /// The log of the softmax's normaliser over `logits` (their log-sum-exp, summed in f64) and the
 /// `top` largest logits as log-probabilities, largest first, ties to the lower id. One pass;
 /// the kept list is short, so inserting into it costs little.
+/// `token`'s log-probability under `logits` (a softmax over them, nothing applied) and the
+/// `top` likeliest tokens with theirs: how a prompt's tokens are scored.
+pub fn token_logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
+    let (normaliser, top) = scores(logits, top);
+    let logprob = logits
+        .get(token as usize)
+        .map_or(f32::NEG_INFINITY, |&logit| logit - normaliser);
+    TokenLogprobs {
+        token,
+        logprob,
+        top,
+    }
+}
+
 fn scores(logits: &[f32], top: usize) -> (f32, Vec<(u32, f32)>) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if max == f32::NEG_INFINITY {

@@ -2,8 +2,8 @@
 //! tokenized request.
 //!
 //! Unknown fields are ignored, as OpenAI's own clients send fields a server may not know. Known
-//! fields snapserve cannot honour (`suffix`, image parts, `echo` with
-//! `logprobs`) are refused with a 400 that names them, never silently dropped.
+//! fields snapserve cannot honour (`suffix`, image parts, `echo` with `logprobs` for more than
+//! one choice) are refused with a 400 that names them, never silently dropped.
 //!
 //! Structured outputs (`response_format`, and vLLM's `guided_json`, `guided_regex` and
 //! `guided_grammar`) are compiled here, so a schema the grammar engine cannot honour is a 400
@@ -479,6 +479,7 @@ impl Sampling {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logit_bias,
             logprobs: None,
+            prompt_logprobs: None,
             constraint: None,
         }
     }
@@ -608,11 +609,13 @@ impl CompletionRequest {
                 format!("at most {MAX_TOP_LOGPROBS} alternatives, got {top}"),
             ));
         }
-        if self.logprobs.is_some() && self.echo == Some(true) {
-            return refuse(
+        // The prompt's own log-probabilities, as evaluation harnesses score text with.
+        let prompt_logprobs = self.logprobs.filter(|_| self.echo == Some(true));
+        if prompt_logprobs.is_some() && (n > 1 || self.best_of.is_some_and(|b| b > 1)) {
+            return Err(ApiError::invalid_param(
                 "echo",
-                "echo together with logprobs (the prompt's logprobs)",
-            );
+                "echo with logprobs answers one choice a prompt: n and best_of must be 1",
+            ));
         }
         let best_of = match self.best_of {
             None => None,
@@ -674,9 +677,10 @@ impl CompletionRequest {
             _ => None,
         };
         // OpenAI's default for completions.
-        let prepared =
+        let mut prepared =
             self.sampling
                 .prepare(model, prompts, self.max_tokens, 16, self.logprobs, None)?;
+        prepared.params.prompt_logprobs = prompt_logprobs;
         Ok(Prepared {
             echo,
             best_of,

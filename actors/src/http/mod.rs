@@ -267,6 +267,11 @@ async fn respond(
         best_of,
     } = prepared;
     let prompt_tokens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    // The first token of each prompt whose tokens' logprobs are answered (it has none).
+    let scored_from: Vec<Option<u32>> = prompts
+        .iter()
+        .map(|prompt| params.prompt_logprobs.and(prompt.first().copied()))
+        .collect();
     let stops = params.stop.clone();
     let logprobs = params.logprobs.is_some();
     let mut params = params;
@@ -289,6 +294,7 @@ async fn respond(
         for events in streams {
             let output = Output::new(state.model.clone(), events, &stops, prompt_tokens[p], kind)
                 .echoing(echo.as_ref().map(|texts| texts[p].clone()))
+                .scoring_prompt(scored_from[p])
                 .with_logprobs(logprobs)
                 .reading_tools(tools.clone())
                 .for_prompt(p);

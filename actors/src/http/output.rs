@@ -63,6 +63,10 @@ pub struct Output {
     last_token: Option<Instant>,
     /// Text answered before the completion's own (`echo`): the first piece.
     echo: Option<String>,
+    /// The prompt's first token, when the echoed prompt comes with its tokens' logprobs (read
+    /// from the stream with the first event, which waits in `peeked`).
+    scoring_prompt: Option<u32>,
+    peeked: Option<Option<Event>>,
     /// Log-probabilities of tokens read since the last piece, when the request asked for them.
     logprobs: Option<Vec<TokenLogprobs>>,
     /// Characters of text answered so far (`text_offset` of completions' logprobs).
@@ -170,6 +174,8 @@ impl Output {
             submitted: Instant::now(),
             last_token: None,
             echo: None,
+            scoring_prompt: None,
+            peeked: None,
             logprobs: None,
             offset: 0,
             tools: None,
@@ -217,6 +223,15 @@ impl Output {
         Output { echo, ..self }
     }
 
+    /// Answers the echoed prompt with its tokens' log-probabilities (its first token,
+    /// `first`, has none), which the request asked the scheduler for.
+    pub fn scoring_prompt(self, first: Option<u32>) -> Self {
+        Output {
+            scoring_prompt: first,
+            ..self
+        }
+    }
+
     /// Makes this a choice of the request's prompt `prompt` (of a completion's list).
     pub fn for_prompt(self, prompt: usize) -> Self {
         Output { prompt, ..self }
@@ -224,14 +239,34 @@ impl Output {
 
     /// Reads events until some text is final or the request ends.
     async fn next(&mut self) -> Piece {
-        if let Some(text) = self.echo.take().filter(|t| !t.is_empty()) {
-            return self.piece(text, None);
+        if let Some(text) = self.echo.take() {
+            if let (Some(first), Some(events)) = (self.scoring_prompt.take(), self.events.as_mut())
+            {
+                // The prompt's scores arrive before its first token (or its end).
+                self.peeked = Some(events.next().await);
+                let mut scores = vec![TokenLogprobs {
+                    token: first,
+                    logprob: f32::NAN,
+                    top: Vec::new(),
+                }];
+                scores.extend(events.take_prompt_logprobs());
+                if let Some(list) = &mut self.logprobs {
+                    *list = scores;
+                }
+                return self.piece(text, None);
+            }
+            if !text.is_empty() {
+                return self.piece(text, None);
+            }
         }
         loop {
             let Some(events) = self.events.as_mut() else {
                 unreachable!("nothing is read after the end");
             };
-            let event = events.next().await;
+            let event = match self.peeked.take() {
+                Some(event) => event,
+                None => events.next().await,
+            };
             match event {
                 Some(Event::Token(token)) => {
                     self.completion_tokens += 1;
@@ -357,13 +392,19 @@ impl Output {
                     text_offset.push(self.offset);
                     self.offset += text.chars().count();
                     tokens.push(text);
-                    token_logprobs.push(s.logprob);
+                    // An echoed prompt's first token has no log-probability: null, as OpenAI's.
+                    if s.logprob.is_nan() {
+                        token_logprobs.push(Value::Null);
+                        top_logprobs.push(Value::Null);
+                        continue;
+                    }
+                    token_logprobs.push(json!(s.logprob));
                     let top: serde_json::Map<String, Value> = s
                         .top
                         .iter()
                         .map(|&(id, logprob)| (token(id).0, json!(logprob)))
                         .collect();
-                    top_logprobs.push(top);
+                    top_logprobs.push(Value::Object(top));
                 }
                 json!({
                     "tokens": tokens,

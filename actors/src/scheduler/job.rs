@@ -109,6 +109,10 @@ pub(crate) struct Job {
     /// The plan row an answered step handed back, with the version of the page table it
     /// holds: its next row copies only the pages added since.
     pub spare_row: Option<(engine::backend::RowPlan, u64)>,
+    /// Prompt tokens (from the second) whose log-probabilities steps have been asked for
+    /// (`params.prompt_logprobs`), and those that came back and went to the caller.
+    pub scores_asked: usize,
+    pub scores_delivered: usize,
 }
 
 impl Job {
@@ -162,7 +166,38 @@ impl Job {
             first_logits: None,
             keep_logits_as: None,
             spare_row: None,
+            scores_asked: 0,
+            scores_delivered: 0,
         }
+    }
+
+    /// Whether it still has prompt tokens to score: then it computes its whole prompt, not
+    /// restoring any of it from a snapshot (a restored position has no logits).
+    pub fn scores_prompt(&self) -> bool {
+        self.params.prompt_logprobs.is_some() && self.scores_delivered + 1 < self.prompt_len
+    }
+
+    /// The prompt tokens a row over positions `start..end` scores: the positions whose
+    /// logits score the token after them, not asked for yet, as a range.
+    pub fn scored_positions(&self, start: usize, end: usize) -> std::ops::Range<usize> {
+        if self.params.prompt_logprobs.is_none() {
+            return 0..0;
+        }
+        let first = start.max(self.scores_asked);
+        let last = end.min(self.prompt_len.saturating_sub(1));
+        first..last.max(first)
+    }
+
+    /// Sends the caller the log-probabilities of prompt tokens, in order.
+    pub fn emit_prompt_scores(
+        &mut self,
+        scores: Vec<TokenLogprobs>,
+        waking: &mut crate::mailbox::Waking,
+    ) {
+        self.scores_delivered += scores.len();
+        let _ = self
+            .events
+            .send_later(Delivery::PromptScored(scores), waking);
     }
 
     pub fn generated(&self) -> usize {
@@ -186,6 +221,8 @@ impl Job {
     /// What steps in flight picked or computed for it no longer counts.
     pub fn forget_in_flight(&mut self) {
         self.in_flight = 0;
+        // Scores asked for by those steps are asked for again.
+        self.scores_asked = self.scores_delivered;
         self.epoch = self.epoch.wrapping_add(1);
     }
 

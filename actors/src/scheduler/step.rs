@@ -19,8 +19,8 @@ use super::job::{Job, Slot};
 use super::{Phase, Scheduler};
 use crate::error::ServeError;
 use crate::exchange::{
-    EngineStep, EngineStepReply, Pick, PickOutcome, PoolOp, PoolReply, RestoreCopy, RestoreFault,
-    RowRequest, SampledTokens, SaveCopy, StoreOp, StoreReply,
+    EngineStep, EngineStepReply, Pick, PickOutcome, PoolOp, PoolReply, PromptScore, RestoreCopy,
+    RestoreFault, RowRequest, SampledTokens, SaveCopy, StoreOp, StoreReply,
 };
 use crate::request::{FinishReason, RequestId};
 
@@ -220,6 +220,9 @@ pub(super) struct Draft {
     pub(super) plain: bool,
     /// Once sent: some row of it verifies drafted tokens.
     verifies: bool,
+    /// Once sent: some row of it scores prompt tokens (its logits all came to the host, so
+    /// its time says little of a step's).
+    scores: bool,
 }
 
 /// The index of a job that left `running` (or whose epoch moved on) while a step naming it
@@ -301,7 +304,11 @@ impl Scheduler {
                 break;
             }
             available -= pages;
-            let pages = job.tokens.len() / self.config.page_tokens;
+            // A prompt to score is computed whole: nothing restored (an empty chain finds none).
+            let pages = match job.scores_prompt() {
+                true => 0,
+                false => job.tokens.len() / self.config.page_tokens,
+            };
             ops.push(StoreOp::Find {
                 chain: job.chain(&self.hasher, pages).to_vec(),
                 promote: !job.skip_disk,
@@ -625,7 +632,12 @@ impl Scheduler {
                 break;
             }
             let job = &self.running[index];
-            let n = job.pending().min(budget);
+            let mut n = job.pending().min(budget);
+            if job.scores_prompt() {
+                // Its logits after every token come to the host: a bounded chunk a step.
+                let most = SCORED_LOGITS_BYTES / (4 * self.config.vocab_size.max(1));
+                n = n.min(most.max(self.config.page_tokens));
+            }
             rows.push(Row::new(index, job.computed, job.computed + n));
             budget -= n;
         }
@@ -1285,6 +1297,18 @@ impl Scheduler {
     /// Phase 3's end: the rows that run, with how each picks, into the engine step; `None`
     /// when the step has nothing for the engine.
     fn plan_rows_sent(&mut self, mut draft: Draft, mut step: EngineStep) -> Option<EngineStep> {
+        // A step that scores prompt tokens brings its logits to the host: one step, no drafts.
+        let scores = draft.rows.iter().any(|row| {
+            let job = &self.running[row.job];
+            row.live && !job.scored_positions(row.start, row.end).is_empty()
+        });
+        if scores {
+            for row in &mut draft.rows {
+                row.steps = 1;
+                row.draft = 0;
+            }
+        }
+        draft.scores = scores;
         let multi_step = draft.rows.iter().any(|row| row.live && row.steps > 1);
         let verify = draft.rows.iter().any(|row| row.live && row.draft > 0);
         self.stats.multi_steps += multi_step as u64;
@@ -1356,10 +1380,20 @@ impl Scheduler {
                 .pages
                 .extend_from_slice(&slot.pages[plan_row.pages.len()..]);
             plan_row.start_pos = row.start;
-            plan_row.logits = match (sample, row.draft) {
-                (false, _) => LogitsWanted::None,
-                (true, 0) => LogitsWanted::Last,
-                (true, _) => LogitsWanted::All,
+            let scored = job.scored_positions(row.start, row.end);
+            let score = (!scored.is_empty()).then(|| PromptScore {
+                from: scored.start - row.start,
+                targets: job.tokens[scored.start + 1..scored.end + 1].to_vec(),
+                top: job.params.prompt_logprobs.unwrap_or(0),
+            });
+            if !scored.is_empty() {
+                job.scores_asked = scored.end;
+            }
+            plan_row.logits = match (sample, row.draft, score.is_some()) {
+                (_, _, true) => LogitsWanted::All,
+                (false, _, _) => LogitsWanted::None,
+                (true, 0, _) => LogitsWanted::Last,
+                (true, _, _) => LogitsWanted::All,
             };
             step.plan.rows.push(plan_row);
             let mut keep_logits = false;
@@ -1385,6 +1419,7 @@ impl Scheduler {
             step.rows.push(RowRequest {
                 request: job.id,
                 pick,
+                score,
             });
             // Counted now, so that the next step can be planned before this one answers.
             job.computed = row.end;
@@ -1544,7 +1579,11 @@ impl Scheduler {
                 reply.first_step_seconds * 1e3,
                 reply.first_step_captured
             );
-            if reply.forward.is_ok() && draft.sent_tokens > 0 && !reply.first_step_captured {
+            if reply.forward.is_ok()
+                && draft.sent_tokens > 0
+                && !reply.first_step_captured
+                && !draft.scores
+            {
                 self.step_time
                     .observe(draft.sent_tokens, reply.first_step_seconds);
                 // What drafts cost is learnt from steps of one-token rows and their drafts
@@ -1834,6 +1873,10 @@ impl Scheduler {
             };
             if !arrived {
                 continue;
+            }
+            if !outcome.prompt_logprobs.is_empty() {
+                let scores = std::mem::take(&mut outcome.prompt_logprobs);
+                self.running[row.job].emit_prompt_scores(scores, &mut self.waking);
             }
             let tokens = sampled.row(p);
             let job = &mut self.running[row.job];
@@ -2152,6 +2195,10 @@ enum End {
     Finished(FinishReason),
     Failed(ServeError),
 }
+
+/// The most logits a step brings to the host for a prompt it scores (a chunk of 1,365
+/// positions of a 49,152-token vocabulary, 512 of a 128,256-token one).
+const SCORED_LOGITS_BYTES: usize = 256 << 20;
 
 /// Writes every cache line of `spare` once, back to back, so that this thread owns them before
 /// it fills them row by row.
