@@ -14,6 +14,9 @@
 //! - every sampler the engine keeps is a request's that is queued or running, or one the
 //!   scheduler is yet to tell it to drop.
 //!
+//! And a request that scores its prompt (`prompt_logprobs`) has read each prompt token's score
+//! exactly once by the time it finishes, over chunks, overlapped steps and preemptions.
+//!
 //! And once everything has ended: every request still listened to got exactly one terminal
 //! event, every submitted request was counted exactly once, no page is held, nothing is left
 //! `Demoting`, and the engine keeps no sampler.
@@ -217,6 +220,21 @@ fn op() -> impl Strategy<Value = Op> {
 struct Listener {
     stream: RequestStream,
     ends: usize,
+    /// Prompt tokens whose log-probabilities it asked for (`prompt_logprobs`), and those
+    /// read: exactly all of them by a `Finished` end, however often it was preempted.
+    scores_wanted: usize,
+    scores_read: usize,
+}
+
+impl Listener {
+    fn new(stream: RequestStream, scores_wanted: usize) -> Self {
+        Listener {
+            stream,
+            ends: 0,
+            scores_wanted,
+            scores_read: 0,
+        }
+    }
 }
 
 struct World {
@@ -316,20 +334,24 @@ impl World {
     ) {
         let opening = (0..40u32).map(|i| 3 + (i * 7 + prefix as u32 * 53) % 190);
         let rest = (0..suffix as u32).map(|i| 3 + (i * 13 + suffix as u32) % 190);
+        // A third of the single choices score their prompt (a completion's echo with logprobs).
+        let scores = choices == 1 && suffix.is_multiple_of(3);
         let params = SamplingParams {
             max_tokens: max_tokens as usize,
             stop_token_ids: stop_token.map(u32::from).into_iter().collect(),
+            prompt_logprobs: scores.then_some(1),
             ..SamplingParams::default()
         };
         let request = GenerateRequest {
             prompt: opening.chain(rest).collect(),
             params,
         };
+        let wanted = if scores { request.prompt.len() - 1 } else { 0 };
         // Refusals (a full queue, a request larger than the pool) are answers, not events.
         if let Ok(streams) = self.scheduler.submit_choices(request, choices as usize) {
             for stream in streams {
                 self.ids.push(stream.id);
-                self.listeners.push(Listener { stream, ends: 0 });
+                self.listeners.push(Listener::new(stream, wanted));
             }
         }
     }
@@ -503,6 +525,21 @@ impl World {
                     "request {:?}: {event:?} after its end",
                     listener.stream.id
                 );
+                listener.scores_read += listener.stream.take_prompt_logprobs().len();
+                assert!(
+                    listener.scores_read <= listener.scores_wanted,
+                    "request {:?}: {} prompt scores of {}",
+                    listener.stream.id,
+                    listener.scores_read,
+                    listener.scores_wanted
+                );
+                if matches!(event, Event::Finished { .. }) {
+                    assert_eq!(
+                        listener.scores_read, listener.scores_wanted,
+                        "request {:?} finished without all its prompt's scores",
+                        listener.stream.id
+                    );
+                }
                 if !matches!(event, Event::Token(_)) {
                     listener.ends += 1;
                 }
@@ -541,7 +578,7 @@ impl World {
                 let prompt = (0..*len as u32).map(|i| 3 + (i * 11 + 5) % 190).collect();
                 if let Ok(stream) = self.scheduler.submit_kept(prompt) {
                     self.ids.push(stream.id);
-                    self.listeners.push(Listener { stream, ends: 0 });
+                    self.listeners.push(Listener::new(stream, 0));
                 }
             }
             Op::Corrupt(index, at) => {
