@@ -1041,5 +1041,31 @@ fn an_echoed_prompt_comes_with_its_tokens_logprobs() {
         let (a, b) = (echoed[k].as_f64().unwrap(), lps[k].as_f64().unwrap());
         assert!((a - b).abs() < 1e-6, "token {k}: streamed {a}, whole {b}");
     }
+
+    // `max_tokens: 0` with `echo` answers the prompt alone, scored; without `echo` it is a 400.
+    let mut alone = request.clone();
+    alone["max_tokens"] = json!(0);
+    let answer = scored(&alone);
+    let choice = &answer["choices"][0];
+    assert_eq!(choice["finish_reason"], "length");
+    assert_eq!(answer["usage"]["completion_tokens"], 0);
+    let alone_lps = choice["logprobs"]["token_logprobs"].as_array().unwrap();
+    assert_eq!(
+        alone_lps[..],
+        lps[..prompt.len()],
+        "the same scores, nothing generated"
+    );
+    assert_eq!(
+        choice["text"].as_str().unwrap(),
+        text.strip_suffix(tokens.last().unwrap().as_str().unwrap())
+            .unwrap()
+    );
+    alone["echo"] = json!(false);
+    let (status, _, refusal) = server.post("/v1/completions", &alone);
+    assert_eq!(
+        (status, &refusal["error"]["param"]),
+        (400, &json!("max_tokens")),
+        "{refusal}"
+    );
     assert!(server.is_idle());
 }

@@ -327,6 +327,9 @@ pub struct Prepared {
     /// Candidates to generate when more than `n` (completions' `best_of`): the `n` with the
     /// highest log-probability per token are answered.
     pub best_of: Option<usize>,
+    /// The answer is the echoed prompt alone (a completion's `max_tokens: 0` with `echo`, as
+    /// scoring clients send): the one token generated is not answered.
+    pub echo_only: bool,
 }
 
 /// A chat request's prompt as its template renders it ([`ChatRequest::render`]), with the
@@ -581,6 +584,7 @@ impl Sampling {
             tools: None,
             n: self.choices()?,
             best_of: None,
+            echo_only: false,
         })
     }
 }
@@ -676,14 +680,19 @@ impl CompletionRequest {
             ),
             _ => None,
         };
+        // `max_tokens: 0` with `echo` answers the prompt alone: one token is generated (the
+        // prompt's computation ends in a pick) and not answered.
+        let echo_only = self.max_tokens == Some(0) && echo.is_some();
+        let max_tokens = if echo_only { Some(1) } else { self.max_tokens };
         // OpenAI's default for completions.
         let mut prepared =
             self.sampling
-                .prepare(model, prompts, self.max_tokens, 16, self.logprobs, None)?;
+                .prepare(model, prompts, max_tokens, 16, self.logprobs, None)?;
         prepared.params.prompt_logprobs = prompt_logprobs;
         Ok(Prepared {
             echo,
             best_of,
+            echo_only,
             ..prepared
         })
     }

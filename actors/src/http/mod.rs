@@ -265,6 +265,7 @@ async fn respond(
         tools,
         n,
         best_of,
+        echo_only,
     } = prepared;
     let prompt_tokens: Vec<usize> = prompts.iter().map(Vec::len).collect();
     // The first token of each prompt whose tokens' logprobs are answered (it has none).
@@ -295,6 +296,7 @@ async fn respond(
             let output = Output::new(state.model.clone(), events, &stops, prompt_tokens[p], kind)
                 .echoing(echo.as_ref().map(|texts| texts[p].clone()))
                 .scoring_prompt(scored_from[p])
+                .echo_only(echo_only)
                 .with_logprobs(logprobs)
                 .reading_tools(tools.clone())
                 .for_prompt(p);

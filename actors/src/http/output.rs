@@ -67,6 +67,8 @@ pub struct Output {
     /// from the stream with the first event, which waits in `peeked`).
     scoring_prompt: Option<u32>,
     peeked: Option<Option<Event>>,
+    /// Only the echoed prompt is answered: generated tokens are read and dropped.
+    echo_only: bool,
     /// Log-probabilities of tokens read since the last piece, when the request asked for them.
     logprobs: Option<Vec<TokenLogprobs>>,
     /// Characters of text answered so far (`text_offset` of completions' logprobs).
@@ -176,6 +178,7 @@ impl Output {
             echo: None,
             scoring_prompt: None,
             peeked: None,
+            echo_only: false,
             logprobs: None,
             offset: 0,
             tools: None,
@@ -232,6 +235,11 @@ impl Output {
         }
     }
 
+    /// Answers the echoed prompt alone (`max_tokens: 0`), none of the generated tokens.
+    pub fn echo_only(self, echo_only: bool) -> Self {
+        Output { echo_only, ..self }
+    }
+
     /// Makes this a choice of the request's prompt `prompt` (of a completion's list).
     pub fn for_prompt(self, prompt: usize) -> Self {
         Output { prompt, ..self }
@@ -268,6 +276,7 @@ impl Output {
                 None => events.next().await,
             };
             match event {
+                Some(Event::Token(_)) if self.echo_only => {}
                 Some(Event::Token(token)) => {
                     self.completion_tokens += 1;
                     if let Some(scored) = events.logprobs() {
@@ -316,10 +325,17 @@ impl Output {
                     let out = self.stops.push(&tail);
                     let (text, reason) = match out.matched {
                         Some(_) => (out.text, "stop"),
+                        // Cut at its length, 0: what it generated is not answered.
+                        None if self.echo_only => (out.text, "length"),
                         None => (out.text + &self.stops.finish(), reason.as_str()),
                     };
                     metrics::request_done(self.submitted.elapsed().as_secs_f64(), reason);
-                    let usage = self.usage(usage.completion_tokens, Some(usage.cached_tokens));
+                    let completion_tokens = if self.echo_only {
+                        0
+                    } else {
+                        usage.completion_tokens
+                    };
+                    let usage = self.usage(completion_tokens, Some(usage.cached_tokens));
                     return self.piece(text, Some(End::Finished { reason, usage }));
                 }
                 Some(Event::Failed(error)) => return self.failed(error.into()),
