@@ -20,6 +20,7 @@ pub mod error;
 pub mod exchange;
 pub mod http;
 pub mod kv_pool;
+mod lines;
 pub mod loadtest;
 mod mailbox;
 pub mod metrics;

@@ -318,7 +318,7 @@ impl<T> Inbox<T> {
         if state.items.is_empty() {
             // The list was the inbox's task's last; a step's items are stored one by one,
             // each behind a lock, which waits out each line's trip from the other core.
-            crate::scheduler::own_lines(state.items.spare_capacity_mut());
+            crate::lines::own_lines(state.items.spare_capacity_mut());
         }
         state.items.push(item);
         Ok(state.waker.take())
@@ -348,7 +348,7 @@ fn deliver<T>(inbox: Arc<Inbox<T>>) -> impl Future<Output = ()> {
             })
             .await;
             // Written on the scheduler's thread: read at once, not line by line between locks.
-            crate::scheduler::pull_lines(&batch);
+            crate::lines::pull_lines(&batch);
             for item in batch.drain(..) {
                 match item {
                     Item::Value(shared, value) => {

@@ -47,7 +47,6 @@ use crate::request::{GenerateRequest, RequestId, RequestLink, RequestStream};
 use job::Job;
 pub use step::StepOutcome;
 use step::{Draft, StoreFollowUp};
-pub(crate) use step::{own_lines, pull_lines};
 
 /// What the scheduler is built from.
 #[derive(Debug, Clone)]

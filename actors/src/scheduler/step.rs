@@ -1321,8 +1321,8 @@ impl Scheduler {
         // store waited out a round trip to the other core (Rust's moves of a row go through
         // the stack in stores a wider load cannot forward from, which drain the store queue).
         // Owned together first, the round trips overlap: 13.7 to 8.6 µs at 256 rows.
-        own_lines(step.plan.rows.spare_capacity_mut());
-        own_lines(step.rows.spare_capacity_mut());
+        crate::lines::own_lines(step.plan.rows.spare_capacity_mut());
+        crate::lines::own_lines(step.rows.spare_capacity_mut());
         draft.sent_rows.reserve(rows);
         draft.sent_versions.reserve(rows);
         for r in 0..draft.rows.len() {
@@ -2199,26 +2199,3 @@ enum End {
 /// The most logits a step brings to the host for a prompt it scores (a chunk of 1,365
 /// positions of a 49,152-token vocabulary, 512 of a 128,256-token one).
 const SCORED_LOGITS_BYTES: usize = 256 << 20;
-
-/// Writes every cache line of `spare` once, back to back, so that this thread owns them before
-/// it fills them row by row.
-pub(crate) fn own_lines<T>(spare: &mut [std::mem::MaybeUninit<T>]) {
-    let bytes = std::mem::size_of_val(spare);
-    let start = spare.as_mut_ptr().cast::<u8>();
-    // Every 64th byte and the last: one in each line the capacity touches, however aligned.
-    for at in (0..bytes).step_by(64).chain(bytes.checked_sub(1)) {
-        // SAFETY: `at` is inside the `bytes`-long spare capacity; any byte may be written there.
-        unsafe { start.add(at).write_volatile(0) };
-    }
-}
-
-/// Reads every cache line of `items` once, back to back: lines another thread wrote arrive
-/// together rather than one by one as a loop over the items reaches them.
-pub(crate) fn pull_lines<T>(items: &[T]) {
-    let bytes = std::mem::size_of_val(items);
-    let start = items.as_ptr().cast::<u8>();
-    for at in (0..bytes).step_by(64).chain(bytes.checked_sub(1)) {
-        // SAFETY: `at` is inside the `bytes`-long slice; reading a byte of it is sound.
-        unsafe { start.add(at).read_volatile() };
-    }
-}
