@@ -305,9 +305,10 @@ impl Scheduler {
             }
             available -= pages;
             // A prompt to score is computed whole: nothing restored (an empty chain finds none).
-            let pages = match job.scores_prompt() {
-                true => 0,
-                false => job.tokens.len() / self.config.page_tokens,
+            let pages = if job.scores_prompt() {
+                0
+            } else {
+                job.tokens.len() / self.config.page_tokens
             };
             ops.push(StoreOp::Find {
                 chain: job.chain(&self.hasher, pages).to_vec(),
@@ -1299,8 +1300,10 @@ impl Scheduler {
     fn plan_rows_sent(&mut self, mut draft: Draft, mut step: EngineStep) -> Option<EngineStep> {
         // A step that scores prompt tokens brings its logits to the host: one step, no drafts.
         let scores = draft.rows.iter().any(|row| {
-            let job = &self.running[row.job];
-            row.live && !job.scored_positions(row.start, row.end).is_empty()
+            row.live
+                && !self.running[row.job]
+                    .scored_positions(row.start, row.end)
+                    .is_empty()
         });
         if scores {
             for row in &mut draft.rows {
