@@ -31,8 +31,8 @@ use engine::stop::is_stop_token;
 use crate::request::RequestId;
 
 pub use crate::exchange::{
-    EngineStep, EngineStepReply, Pick, PickOutcome, RestoreCopy, RestoreFault, RowRequest,
-    SampledTokens, SaveCopy, StepShape,
+    EngineStep, EngineStepReply, Pick, PickOutcome, PromptScore, RestoreCopy, RestoreFault,
+    RowRequest, SampledTokens, SaveCopy, StepShape,
 };
 
 pub struct Engine {
@@ -546,7 +546,7 @@ impl Engine {
         &mut self,
         plan: &StepPlan,
         samplers: &mut [Option<Box<Sampler>>],
-        rows: &[RowRequest],
+        scored: &[(usize, PromptScore)],
         (row_steps, drafts): (&[usize], &[usize]),
         first_step: &mut (f64, bool),
         scores: &mut Vec<(usize, Vec<TokenLogprobs>)>,
@@ -566,9 +566,10 @@ impl Engine {
         );
         let vocab = output.vocab_size;
         let mut sampled = SampledTokens::new(plan.rows.len(), 1);
-        for (i, (request, sampler)) in rows.iter().zip(samplers.iter_mut()).enumerate() {
+        let mut scored = scored.iter().peekable();
+        for (i, sampler) in samplers.iter_mut().enumerate() {
             let range = output.row_ranges[i].clone();
-            if let Some(score) = &request.score {
+            if let Some((_, score)) = scored.next_if(|(row, _)| *row == i) {
                 if range.len() < score.from + score.targets.len() {
                     return Err(format!(
                         "row {i} scores {} prompt tokens from its token {} but has {} rows of \
@@ -597,6 +598,12 @@ impl Engine {
                 let last = (range.end - 1) * vocab;
                 sampled.push(i, sampler.sample(&mut output.logits[last..last + vocab]));
             }
+        }
+        if let Some((row, _)) = scored.next() {
+            return Err(format!(
+                "a score for row {row} of {} (a bug in the scheduler)",
+                plan.rows.len()
+            ));
         }
         Ok(sampled)
     }
@@ -887,10 +894,10 @@ impl Engine {
         let mut scores = Vec::new();
         let forward = match missing {
             Some(e) => Err(e),
-            None if step.rows.iter().any(|r| r.score.is_some()) => self.score(
+            None if !step.scores.is_empty() => self.score(
                 &step.plan,
                 &mut samplers,
-                &step.rows,
+                &step.scores,
                 (&step.row_steps, &step.drafts),
                 &mut first_step,
                 &mut scores,

@@ -175,6 +175,10 @@ pub struct EngineStep {
     /// ([`engine::backend::Backend::step_and_verify`]). Never with `row_steps`.
     pub drafts: Vec<usize>,
     pub saves: Vec<SaveCopy>,
+    /// Empty unless some rows score their request's prompt tokens: those rows, ascending,
+    /// each with what it scores (it wants the logits after every token). Never with
+    /// `row_steps` or `drafts`.
+    pub scores: Vec<(usize, PromptScore)>,
 }
 
 /// Which request a plan row belongs to, and how it picks a token, if it does.
@@ -183,9 +187,6 @@ pub struct RowRequest {
     pub request: RequestId,
     /// The row ends at its request's end: it picks the next token.
     pub pick: Option<Pick>,
-    /// Prompt tokens the row's logits score, when its request asked for the prompt's
-    /// log-probabilities (the row then wants the logits after every token).
-    pub score: Option<PromptScore>,
 }
 
 /// Prompt tokens a row scores ([`engine::sampling::SamplingParams::prompt_logprobs`]): the
@@ -228,7 +229,7 @@ pub struct PickOutcome {
     pub kept_logits: Option<Vec<f32>>,
     /// The request's grammar failed: its picks are not to be delivered.
     pub failure: Option<String>,
-    /// What the row's [`RowRequest::score`] asked for, in order (a row may score without
+    /// What the row's [`PromptScore`] asked for ([`EngineStep::scores`]), in order (a row may score without
     /// picking: a prompt's chunk before its last).
     pub prompt_logprobs: Vec<TokenLogprobs>,
 }

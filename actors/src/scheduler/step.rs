@@ -987,6 +987,7 @@ impl Scheduler {
             row_steps: Vec::new(),
             drafts: Vec::new(),
             saves: Vec::new(),
+            scores: Vec::new(),
         };
         // Where each candidate now runs, if it was admitted.
         let mut admitted_at = vec![None; candidates.len()];
@@ -1383,16 +1384,21 @@ impl Scheduler {
                 .pages
                 .extend_from_slice(&slot.pages[plan_row.pages.len()..]);
             plan_row.start_pos = row.start;
-            let scored = job.scored_positions(row.start, row.end);
-            let score = (!scored.is_empty()).then(|| PromptScore {
-                from: scored.start - row.start,
-                targets: job.tokens[scored.start + 1..scored.end + 1].to_vec(),
-                top: job.params.prompt_logprobs.unwrap_or(0),
-            });
-            if !scored.is_empty() {
-                job.scores_asked = scored.end;
+            let mut scores_row = false;
+            if scores {
+                let scored = job.scored_positions(row.start, row.end);
+                if !scored.is_empty() {
+                    let score = PromptScore {
+                        from: scored.start - row.start,
+                        targets: job.tokens[scored.start + 1..scored.end + 1].to_vec(),
+                        top: job.params.prompt_logprobs.unwrap_or(0),
+                    };
+                    step.scores.push((step.plan.rows.len(), score));
+                    job.scores_asked = scored.end;
+                    scores_row = true;
+                }
             }
-            plan_row.logits = match (sample, row.draft, score.is_some()) {
+            plan_row.logits = match (sample, row.draft, scores_row) {
                 (_, _, true) => LogitsWanted::All,
                 (false, _, _) => LogitsWanted::None,
                 (true, 0, _) => LogitsWanted::Last,
@@ -1422,7 +1428,6 @@ impl Scheduler {
             step.rows.push(RowRequest {
                 request: job.id,
                 pick,
-                score,
             });
             // Counted now, so that the next step can be planned before this one answers.
             job.computed = row.end;
