@@ -25,6 +25,7 @@ use crate::sampling::{Sampler, SamplingParams};
 
 /// Which logits a row wants back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u64)]
 pub enum LogitsWanted {
     /// None: a prefill chunk that does not end its prompt.
     None,
