@@ -1851,9 +1851,8 @@ impl Scheduler {
         // engine lists those in row order). One pass: a job has one row a step.
         let mut outcomes = outcomes.into_iter().peekable();
         for (p, &r) in draft.sent_rows.iter().enumerate() {
-            let mut outcome = outcomes
-                .next_if(|(at, _)| *at == p)
-                .map_or_else(PickOutcome::default, |(_, outcome)| outcome);
+            // Most rows left nothing besides their tokens: no outcome is made up for them.
+            let mut outcome = outcomes.next_if(|(at, _)| *at == p).map(|(_, o)| o);
             let row = draft.rows[r];
             let Some(job) = self.running.get_mut(row.job) else {
                 continue;
@@ -1866,7 +1865,7 @@ impl Scheduler {
             // Its KV did not arrive (a failed or corrupt restore or fork): neither the logits
             // kept after its prompt nor what it sampled count.
             let arrived = !recomputing && !ended.iter().any(|(i, _)| *i == row.job);
-            let kept = outcome.kept_logits.take();
+            let kept = outcome.as_mut().and_then(|o| o.kept_logits.take());
             if let Some(key) = job.keep_logits_as.take()
                 && let Some(kept) = kept.filter(|_| forward.is_ok() && arrived)
             {
@@ -1882,20 +1881,20 @@ impl Scheduler {
             if !arrived {
                 continue;
             }
-            if !outcome.prompt_logprobs.is_empty() {
-                let scores = std::mem::take(&mut outcome.prompt_logprobs);
+            if let Some(o) = outcome.as_mut().filter(|o| !o.prompt_logprobs.is_empty()) {
+                let scores = std::mem::take(&mut o.prompt_logprobs);
                 self.running[row.job].emit_prompt_scores(scores, &mut self.waking);
             }
             let tokens = sampled.row(p);
             let job = &mut self.running[row.job];
             // Each decode step after the first computed the token the one before sampled.
             job.computed += tokens.len().saturating_sub(1);
-            if let Some(failure) = outcome.failure.take() {
+            if let Some(failure) = outcome.as_mut().and_then(|o| o.failure.take()) {
                 // This step's picks were not held to the grammar: none of them is delivered.
                 ended.push((row.job, End::Failed(ServeError::Grammar(failure))));
                 continue;
             }
-            let mut logprobs = std::mem::take(&mut outcome.logprobs);
+            let mut logprobs = outcome.map(|o| o.logprobs).unwrap_or_default();
             let before = job.tokens.len();
             for &token in tokens {
                 self.running[row.job].tokens.push(token);
