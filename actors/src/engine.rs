@@ -23,7 +23,9 @@ use cache::{
     BackingId, Eviction, FlushPlan, PageClone, PageCopy, PrefixHash, Promotion, SnapshotId, Tier,
 };
 use engine::EngineError;
-use engine::backend::{Backend, BackendInfo, HostRun, MemoryReport, RowPlan, StepOutput, StepPlan};
+use engine::backend::{
+    Backend, BackendInfo, HostRun, MemoryReport, RowPlan, StepOutput, StepPlan, sample_on_host,
+};
 use engine::disk::{DiskDone, DiskFault, DiskSource, DiskTier, WriteJob};
 use engine::sampling::{Sampler, TokenLogprobs, token_logprobs};
 use engine::stop::is_stop_token;
@@ -565,45 +567,47 @@ impl Engine {
             self.backend.last_step_captured(),
         );
         let vocab = output.vocab_size;
-        let mut sampled = SampledTokens::new(plan.rows.len(), 1);
-        let mut scored = scored.iter().peekable();
-        for (i, sampler) in samplers.iter_mut().enumerate() {
-            let range = output.row_ranges[i].clone();
-            if let Some((_, score)) = scored.next_if(|(row, _)| *row == i) {
-                if range.len() < score.from + score.targets.len() {
+        for (n, (i, score)) in scored.iter().enumerate() {
+            let range = match output.row_ranges.get(*i) {
+                Some(range) if n == 0 || scored[n - 1].0 < *i => range.clone(),
+                _ => {
                     return Err(format!(
-                        "row {i} scores {} prompt tokens from its token {} but has {} rows of \
-                         logits (a bug in the scheduler)",
-                        score.targets.len(),
-                        score.from,
-                        range.len()
+                        "a score for row {i} of {}, after one for row {:?} (a bug in the \
+                         scheduler)",
+                        plan.rows.len(),
+                        n.checked_sub(1).map(|p| scored[p].0)
                     ));
                 }
-                let logits = |k: usize| {
-                    let at = (range.start + score.from + k) * vocab;
-                    &output.logits[at..at + vocab]
-                };
-                let list = score
-                    .targets
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &target)| token_logprobs(logits(k), target, score.top))
-                    .collect();
-                scores.push((i, list));
+            };
+            if range.len() < score.from + score.targets.len() {
+                return Err(format!(
+                    "row {i} scores {} prompt tokens from its token {} but has {} rows of \
+                         logits (a bug in the scheduler)",
+                    score.targets.len(),
+                    score.from,
+                    range.len()
+                ));
             }
-            if let Some(sampler) = sampler.as_deref_mut() {
-                if range.is_empty() {
-                    return Err(format!("row {i} has a sampler but asks for no logits"));
-                }
-                let last = (range.end - 1) * vocab;
-                sampled.push(i, sampler.sample(&mut output.logits[last..last + vocab]));
-            }
+            let logits = |k: usize| {
+                let at = (range.start + score.from + k) * vocab;
+                &output.logits[at..at + vocab]
+            };
+            let list = score
+                .targets
+                .iter()
+                .enumerate()
+                .map(|(k, &target)| token_logprobs(logits(k), target, score.top))
+                .collect();
+            scores.push((*i, list));
         }
-        if let Some((row, _)) = scored.next() {
-            return Err(format!(
-                "a score for row {row} of {} (a bug in the scheduler)",
-                plan.rows.len()
-            ));
+        let mut lent: Vec<Option<&mut Sampler>> =
+            samplers.iter_mut().map(|s| s.as_deref_mut()).collect();
+        let picks = sample_on_host(&mut output, &mut lent).map_err(|e| e.to_string())?;
+        let mut sampled = SampledTokens::new(plan.rows.len(), 1);
+        for (i, token) in picks.into_iter().enumerate() {
+            if let Some(token) = token {
+                sampled.push(i, token);
+            }
         }
         Ok(sampled)
     }
@@ -804,9 +808,6 @@ impl Engine {
 /// Puts each row's prompt scores with what its pick left (`outcomes` and `scores` both by
 /// plan row, ascending).
 fn add_scores(outcomes: &mut Vec<(usize, PickOutcome)>, scores: Vec<(usize, Vec<TokenLogprobs>)>) {
-    if scores.is_empty() {
-        return;
-    }
     for (row, list) in scores {
         match outcomes.binary_search_by_key(&row, |(r, _)| *r) {
             Ok(at) => outcomes[at].1.prompt_logprobs = list,

@@ -118,6 +118,33 @@ impl StepPlan {
     }
 }
 
+/// Picks the next token of every row whose sampler is given from a step's logits after its
+/// last token (which the sampler overwrites); rows without a sampler get `None`. What
+/// [`Backend::step_and_sample`] does on the host.
+pub fn sample_on_host(
+    output: &mut StepOutput,
+    samplers: &mut [Option<&mut Sampler>],
+) -> Result<Vec<Option<u32>>> {
+    let vocab = output.vocab_size;
+    let mut tokens = Vec::with_capacity(samplers.len());
+    for (row, sampler) in samplers.iter_mut().enumerate() {
+        let range = output.row_ranges[row].clone();
+        tokens.push(match sampler {
+            Some(sampler) if !range.is_empty() => {
+                let last = (range.end - 1) * vocab;
+                Some(sampler.sample(&mut output.logits[last..last + vocab]))
+            }
+            Some(_) => {
+                return Err(EngineError::InvalidStep(format!(
+                    "row {row} has a sampler but asks for no logits"
+                )));
+            }
+            None => None,
+        });
+    }
+    Ok(tokens)
+}
+
 /// [`Backend::step_and_verify`] with every pick made on the host, from the step's logits.
 pub fn verify_on_host<B: Backend + ?Sized>(
     backend: &mut B,
@@ -275,23 +302,7 @@ pub trait Backend: Send {
     ) -> Result<Vec<Option<u32>>> {
         assert_eq!(plan.rows.len(), samplers.len(), "one sampler slot per row");
         let mut output = self.step(plan)?;
-        let mut tokens = Vec::with_capacity(samplers.len());
-        for (row, sampler) in samplers.iter_mut().enumerate() {
-            let range = output.row_ranges[row].clone();
-            tokens.push(match sampler {
-                Some(sampler) if !range.is_empty() => {
-                    let last = (range.end - 1) * output.vocab_size;
-                    Some(sampler.sample(&mut output.logits[last..last + output.vocab_size]))
-                }
-                Some(_) => {
-                    return Err(EngineError::InvalidStep(format!(
-                        "row {row} has a sampler but asks for no logits"
-                    )));
-                }
-                None => None,
-            });
-        }
-        Ok(tokens)
+        sample_on_host(&mut output, samplers)
     }
 
     /// Runs one step in which rows may verify drafted tokens: the last `drafts[i]` tokens of
