@@ -5,6 +5,7 @@
 
 use actix_web::{HttpRequest, HttpResponse, web};
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use super::api::{ChatRequest, Message, Prompt, ToolDef, check_model, check_vocabulary};
@@ -88,10 +89,7 @@ pub async fn tokenize(
     request: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let body: TokenizeRequest = body::read_json(&request, payload, state.body).await?;
-    let model = state.model.clone();
-    let answer = off_the_worker(move || body.answer(&model)).await?;
-    Ok(HttpResponse::Ok().json(answer))
+    answered(state, request, payload, TokenizeRequest::answer).await
 }
 
 pub async fn detokenize(
@@ -99,8 +97,18 @@ pub async fn detokenize(
     request: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let body: DetokenizeRequest = body::read_json(&request, payload, state.body).await?;
+    answered(state, request, payload, DetokenizeRequest::answer).await
+}
+
+/// Reads the body as an `R` and answers what `answer` makes of it, computed off the worker.
+async fn answered<R: DeserializeOwned + Send + 'static>(
+    state: web::Data<ApiState>,
+    request: HttpRequest,
+    payload: web::Payload,
+    answer: fn(R, &Model) -> Result<Value, ApiError>,
+) -> Result<HttpResponse, ApiError> {
+    let body: R = body::read_json(&request, payload, state.body).await?;
     let model = state.model.clone();
-    let answer = off_the_worker(move || body.answer(&model)).await?;
+    let answer = off_the_worker(move || answer(body, &model)).await?;
     Ok(HttpResponse::Ok().json(answer))
 }
