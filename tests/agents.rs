@@ -19,6 +19,14 @@ fn chunks(events: &[String]) -> Vec<Value> {
         .collect()
 }
 
+/// `body` posted to `path` is a 400 naming `param` (null: none); the answer, for more checks.
+fn assert_refused(server: &Server, path: &str, body: &Value, param: impl Into<Value>) -> Value {
+    let (status, _, answer) = server.post(path, body);
+    assert_eq!(status, 400, "{path} {body} -> {answer}");
+    assert_eq!(answer["error"]["param"], param.into(), "{answer}");
+    answer
+}
+
 /// Each chat request (`messages` plus the fields of `extra`) is a 400 naming `param`.
 fn assert_chat_refused(server: &Server, messages: &Value, cases: &[(Value, &str)]) {
     for (extra, param) in cases {
@@ -26,9 +34,7 @@ fn assert_chat_refused(server: &Server, messages: &Value, cases: &[(Value, &str)
         body.as_object_mut()
             .unwrap()
             .extend(extra.as_object().unwrap().clone());
-        let (status, _, answer) = server.post("/v1/chat/completions", &body);
-        assert_eq!(status, 400, "{body} -> {answer}");
-        assert_eq!(answer["error"]["param"], *param, "{answer}");
+        assert_refused(server, "/v1/chat/completions", &body, *param);
     }
 }
 
@@ -155,9 +161,7 @@ fn logprobs_whole_and_streamed_in_openai_shapes() {
         } else {
             "/v1/chat/completions"
         };
-        let (status, _, answer) = server.post(path, &body);
-        assert_eq!(status, 400, "{body} -> {answer}");
-        assert_eq!(answer["error"]["param"], param, "{answer}");
+        assert_refused(&server, path, &body, param);
     }
     assert!(server.is_idle());
 }
@@ -639,9 +643,7 @@ fn best_of_answers_the_likeliest_candidate() {
         body.as_object_mut()
             .unwrap()
             .extend(extra.as_object().unwrap().clone());
-        let (status, _, answer) = server.post("/v1/completions", &body);
-        assert_eq!(status, 400, "{body} -> {answer}");
-        assert_eq!(answer["error"]["param"], param, "{answer}");
+        assert_refused(&server, "/v1/completions", &body, param);
     }
     assert!(server.is_idle());
 }
@@ -790,9 +792,7 @@ fn a_list_of_prompts_is_answered_prompt_by_prompt() {
             "expected a sequence",
         ),
     ] {
-        let (status, _, answer) = server.post("/v1/completions", &body);
-        assert_eq!(status, 400, "{body} -> {answer}");
-        assert_eq!(answer["error"]["param"], param, "{answer}");
+        let answer = assert_refused(&server, "/v1/completions", &body, param);
         let message = answer["error"]["message"].as_str().unwrap();
         assert!(message.contains(says), "{message:?} does not say {says:?}");
     }
@@ -875,9 +875,7 @@ fn tokenize_counts_what_a_request_computes() {
         ),
         ("/detokenize", json!({"tokens": "abc"}), json!("tokens")),
     ] {
-        let (status, _, answer) = server.post(path, &body);
-        assert_eq!(status, 400, "{path} {body} -> {answer}");
-        assert_eq!(answer["error"]["param"], param, "{answer}");
+        assert_refused(&server, path, &body, param);
     }
     assert!(server.is_idle());
 }

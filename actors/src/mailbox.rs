@@ -571,37 +571,7 @@ mod tests {
         let counted = received.clone();
         let senders_and_receivers: Vec<_> = (0..RECEIVERS).map(|_| channel::<u32>()).collect();
         let (senders, receivers): (Vec<_>, Vec<_>) = senders_and_receivers.into_iter().unzip();
-        let readers = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                let local = tokio::task::LocalSet::new();
-                local
-                    .run_until(async move {
-                        let tasks: Vec<_> = receivers
-                            .into_iter()
-                            .map(|mut rx| {
-                                let counted = counted.clone();
-                                tokio::task::spawn_local(async move {
-                                    let mut got = Vec::new();
-                                    while let Some(v) = rx.recv().await {
-                                        got.push(v);
-                                        counted.fetch_add(1, Ordering::SeqCst);
-                                    }
-                                    got
-                                })
-                            })
-                            .collect();
-                        let mut all = Vec::new();
-                        for task in tasks {
-                            all.push(task.await.unwrap());
-                        }
-                        all
-                    })
-                    .await
-            })
-        });
+        let readers = on_reader_thread(false, move || read_all(receivers, counted));
         let mut waking = Waking::default();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         for step in 0..200 {
@@ -612,15 +582,7 @@ mod tests {
             assert!(waking.pending.is_empty());
             // Each step's values are read before the next is sent: the receivers wait each
             // time, and only a wake brings them back.
-            while received.load(Ordering::SeqCst) < RECEIVERS * (step as usize + 1) {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "{} of {} values arrived: a wake was lost",
-                    received.load(Ordering::SeqCst),
-                    RECEIVERS * (step as usize + 1)
-                );
-                std::thread::yield_now();
-            }
+            wait_for(&received, RECEIVERS * (step as usize + 1), deadline);
         }
         drop(senders);
         let got = readers.join().unwrap();
@@ -631,9 +593,9 @@ mod tests {
         }
     }
 
-    /// Runs `body` on a thread of its own inside a local task set with an inbox for `u32`
-    /// streams, as an HTTP worker runs; answers what `body` returned.
-    fn on_inbox_thread<F, Fut, R>(body: F) -> std::thread::JoinHandle<R>
+    /// Runs `body` on a thread of its own inside a local task set, with an inbox for `u32`
+    /// streams if `inbox` (as an HTTP worker runs); answers what `body` returned.
+    fn on_reader_thread<F, Fut, R>(inbox: bool, body: F) -> std::thread::JoinHandle<R>
     where
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = R> + 'static,
@@ -645,10 +607,64 @@ mod tests {
                 .unwrap();
             let local = tokio::task::LocalSet::new();
             local.block_on(&rt, async move {
-                install_inbox::<u32>();
+                if inbox {
+                    install_inbox::<u32>();
+                }
                 body().await
             })
         })
+    }
+
+    fn on_inbox_thread<F, Fut, R>(body: F) -> std::thread::JoinHandle<R>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = R> + 'static,
+        R: Send + 'static,
+    {
+        on_reader_thread(true, body)
+    }
+
+    /// Reads every receiver to its end, each on a task of its own on the current local task
+    /// set, counting each value into `counted` as it arrives: what each read.
+    async fn read_all(
+        receivers: Vec<Receiver<u32>>,
+        counted: Arc<std::sync::atomic::AtomicUsize>,
+    ) -> Vec<Vec<u32>> {
+        let tasks: Vec<_> = receivers
+            .into_iter()
+            .map(|mut rx| {
+                let counted = counted.clone();
+                tokio::task::spawn_local(async move {
+                    let mut got = Vec::new();
+                    while let Some(v) = rx.recv().await {
+                        got.push(v);
+                        counted.fetch_add(1, Ordering::SeqCst);
+                    }
+                    got
+                })
+            })
+            .collect();
+        let mut all = Vec::new();
+        for task in tasks {
+            all.push(task.await.unwrap());
+        }
+        all
+    }
+
+    /// Waits until `received` counts `want` values, failing past `deadline`.
+    fn wait_for(
+        received: &std::sync::atomic::AtomicUsize,
+        want: usize,
+        deadline: std::time::Instant,
+    ) {
+        while received.load(Ordering::SeqCst) < want {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} of {want} values arrived: a delivery or a wake was lost",
+                received.load(Ordering::SeqCst),
+            );
+            std::thread::yield_now();
+        }
     }
 
     #[test]
@@ -664,27 +680,7 @@ mod tests {
         for tx in &senders {
             tx.send(0).unwrap();
         }
-        let readers = on_inbox_thread(move || async move {
-            let tasks: Vec<_> = receivers
-                .into_iter()
-                .map(|mut rx: Receiver<u32>| {
-                    let counted = counted.clone();
-                    tokio::task::spawn_local(async move {
-                        let mut got = Vec::new();
-                        while let Some(v) = rx.recv().await {
-                            got.push(v);
-                            counted.fetch_add(1, Ordering::SeqCst);
-                        }
-                        got
-                    })
-                })
-                .collect();
-            let mut all = Vec::new();
-            for task in tasks {
-                all.push(task.await.unwrap());
-            }
-            all
-        });
+        let readers = on_inbox_thread(move || read_all(receivers, counted));
         let mut waking = Waking::default();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         for step in 1..STEPS {
@@ -697,15 +693,7 @@ mod tests {
                 waking.pending.len()
             );
             waking.wake();
-            while received.load(Ordering::SeqCst) < STREAMS * (step as usize + 1) {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "{} of {} values arrived: a delivery or a wake was lost",
-                    received.load(Ordering::SeqCst),
-                    STREAMS * (step as usize + 1)
-                );
-                std::thread::yield_now();
-            }
+            wait_for(&received, STREAMS * (step as usize + 1), deadline);
         }
         drop(senders);
         let got = readers.join().unwrap();
