@@ -22,6 +22,13 @@
 //! the scheduler's part apart, both ways: µs a step in `begin_step`, `plan_pool`,
 //! `plan_engine` and `finish_step` ([`Phase`]); through the actors, what is left of the
 //! thread's time is the messages, the actix machinery and the readers.
+//!
+//! The last column is what a GPU would feel: the engine's time between the end of a step and
+//! the start of the next one planned ahead of it (`SchedulerStats::engine_waited_nanos`, the
+//! server's `snapserve_engine_wait_microseconds_total`). With the default null step it is the
+//! planning's whole time, as nothing hides it; `ENGINE_US=2000` makes each step take 2 ms, as
+//! a forward pass at batch 256 does, and then it is the scheduling the planning ahead leaves
+//! unhidden (the handing over of the step).
 
 use std::time::{Duration, Instant};
 
@@ -42,9 +49,11 @@ const PAGE: usize = 16;
 /// Steps timed per batch size: at most 3,000 positions are added to each sequence.
 const WINDOW_STEPS: u64 = 3000;
 
-/// A backend that checks and answers the plan but computes nothing.
+/// A backend that checks and answers the plan but computes nothing, taking `step_time` a step
+/// (`ENGINE_US`, default 0) as a GPU's forward pass would.
 struct NullBackend {
     info: BackendInfo,
+    step_time: Duration,
 }
 
 impl Backend for NullBackend {
@@ -53,19 +62,18 @@ impl Backend for NullBackend {
     }
 
     fn step(&mut self, plan: &StepPlan) -> Result<StepOutput, EngineError> {
-        plan.validate(&self.info)?;
-        let logit_rows: usize = plan.rows.iter().map(|row| row.logit_rows()).sum();
-        let mut output = StepOutput {
-            vocab_size: VOCAB,
-            logits: vec![0.0; logit_rows * VOCAB],
-            row_ranges: Vec::with_capacity(plan.rows.len()),
-        };
-        let mut start = 0;
-        for row in &plan.rows {
-            output.row_ranges.push(start..start + row.logit_rows());
-            start += row.logit_rows();
+        let began = Instant::now();
+        let output = self.answer(plan);
+        // A forward pass's time: slept (the engine's thread blocks on the device), the last
+        // stretch spun, as sleeps overshoot by tens of µs.
+        let due = began + self.step_time;
+        if let Some(sleep) = self.step_time.checked_sub(Duration::from_micros(200)) {
+            std::thread::sleep(sleep.saturating_sub(began.elapsed()));
         }
-        Ok(output)
+        while Instant::now() < due {
+            std::hint::spin_loop();
+        }
+        output
     }
 
     fn alloc_backing(&mut self, _: BackingId, _: Tier, _: u64) -> Result<(), EngineError> {
@@ -115,7 +123,30 @@ impl Backend for NullBackend {
     }
 }
 
-fn setup(batch: usize, decode_steps: usize, overlap: bool) -> (NullBackend, ServeConfig) {
+impl NullBackend {
+    fn answer(&self, plan: &StepPlan) -> Result<StepOutput, EngineError> {
+        plan.validate(&self.info)?;
+        let logit_rows: usize = plan.rows.iter().map(|row| row.logit_rows()).sum();
+        let mut output = StepOutput {
+            vocab_size: VOCAB,
+            logits: vec![0.0; logit_rows * VOCAB],
+            row_ranges: Vec::with_capacity(plan.rows.len()),
+        };
+        let mut start = 0;
+        for row in &plan.rows {
+            output.row_ranges.push(start..start + row.logit_rows());
+            start += row.logit_rows();
+        }
+        Ok(output)
+    }
+}
+
+fn setup(
+    batch: usize,
+    decode_steps: usize,
+    overlap: bool,
+    step_time: Duration,
+) -> (NullBackend, ServeConfig) {
     let geometry = KvGeometry {
         layers: 30,
         kv_heads: 3,
@@ -141,7 +172,7 @@ fn setup(batch: usize, decode_steps: usize, overlap: bool) -> (NullBackend, Serv
         seed: 1,
         verify_steps: Vec::new(),
     };
-    (NullBackend { info }, config)
+    (NullBackend { info, step_time }, config)
 }
 
 /// The requests of one run: long enough that no sequence finishes while the window is timed.
@@ -162,7 +193,7 @@ fn requests(batch: usize) -> impl Iterator<Item = GenerateRequest> {
 /// The same step loop as the `Admission` actor's, on one thread with no messages: the planning
 /// and bookkeeping alone.
 fn measure_inline(batch: usize, decode_steps: usize) -> (Duration, Phases) {
-    let (backend, config) = setup(batch, decode_steps, false);
+    let (backend, config) = setup(batch, decode_steps, false, Duration::ZERO);
     let Parts {
         mut scheduler,
         mut pool,
@@ -225,8 +256,8 @@ fn thread_cpu_time() -> Duration {
 
 /// Wall-clock time a decode step through the actors, the actors' thread's processor time a
 /// step, and the scheduler's part of it.
-async fn measure(batch: usize, decode_steps: usize, overlap: bool) -> (Duration, Duration, Phases) {
-    let (backend, config) = setup(batch, decode_steps, overlap);
+async fn measure(batch: usize, decode_steps: usize, overlap: bool) -> Measured {
+    let (backend, config) = setup(batch, decode_steps, overlap, engine_step_time());
     let handles = actors::start(Box::new(backend), config).unwrap();
     let mut streams = Vec::new();
     for request in requests(batch) {
@@ -267,12 +298,18 @@ async fn measure(batch: usize, decode_steps: usize, overlap: bool) -> (Duration,
     let (start, first) = (Instant::now(), tokens_now().await);
     let cpu_start = thread_cpu_time();
     let phases_before = phases_now().await;
+    let waits_now = || async {
+        let stats = handles.stats().await.scheduler;
+        (stats.engine_waits, stats.engine_waited_nanos)
+    };
+    let waits_before = waits_now().await;
     let mut last = first;
     while last - first < WINDOW_STEPS * batch as u64 {
         actix_rt::time::sleep(Duration::from_millis(1)).await;
         last = tokens_now().await;
     }
     let (elapsed, cpu) = (start.elapsed(), thread_cpu_time() - cpu_start);
+    let waits_after = waits_now().await;
     let phases_after = phases_now().await;
     for id in 0..batch {
         handles.cancel(actors::RequestId(id as u64));
@@ -280,7 +317,32 @@ async fn measure(batch: usize, decode_steps: usize, overlap: bool) -> (Duration,
     let steps = ((last - first) / batch as u64) as u32;
     let phases = Phases::between(phases_before, phases_after, steps as u64);
 
-    (elapsed / steps, cpu / steps, phases)
+    let waits = waits_after.0 - waits_before.0;
+    Measured {
+        wall: elapsed / steps,
+        cpu: cpu / steps,
+        phases,
+        engine_wait: (waits > 0)
+            .then(|| Duration::from_nanos((waits_after.1 - waits_before.1) / waits)),
+    }
+}
+
+/// One run through the actors, a step's share: the wall clock, the actors' thread's processor
+/// time, the scheduler's phases, and the engine's wait between a step and the next one
+/// planned ahead of it (`SchedulerStats::engine_waited_nanos`).
+struct Measured {
+    wall: Duration,
+    cpu: Duration,
+    phases: Phases,
+    /// None where no step was planned ahead (`OVERLAP=off`).
+    engine_wait: Option<Duration>,
+}
+
+/// The forward pass's time the null backend takes a step (`ENGINE_US`, µs; default 0).
+fn engine_step_time() -> Duration {
+    std::env::var("ENGINE_US").map_or(Duration::ZERO, |us| {
+        Duration::from_micros(us.parse().expect("ENGINE_US: a number of µs"))
+    })
 }
 
 /// The scheduler's time a step in each of its phases ([`Phase`]), in µs.
@@ -324,7 +386,7 @@ fn main() {
         Err(_) => vec![true, false],
     };
     println!(
-        "{:>6} {:>12} {:>8} {:>18} {:>18} {:>24} {:>22} {:>24} {:>24}",
+        "{:>6} {:>12} {:>8} {:>18} {:>18} {:>24} {:>22} {:>24} {:>24} {:>20}",
         "batch",
         "decode_steps",
         "overlap",
@@ -333,7 +395,8 @@ fn main() {
         "actors' thread: CPU µs",
         "one thread: µs/step",
         "actors: b/p/e/f µs",
-        "one thread: b/p/e/f µs"
+        "one thread: b/p/e/f µs",
+        "engine wait µs/step"
     );
     for batch in batches {
         for &k in &decode_steps {
@@ -347,17 +410,23 @@ fn main() {
                 }
             };
             for &overlap in &overlaps {
-                let (micros, cpu, phases) = match only.as_str() {
-                    "inline" => (f64::NAN, f64::NAN, Phases::NONE),
+                let micros = |d: Duration| d.as_secs_f64() * 1e6;
+                let (wall, cpu, phases, idle) = match only.as_str() {
+                    "inline" => (f64::NAN, f64::NAN, Phases::NONE, f64::NAN),
                     _ => {
-                        let (wall, cpu, phases) = system.block_on(measure(batch, k, overlap));
-                        (wall.as_secs_f64() * 1e6, cpu.as_secs_f64() * 1e6, phases)
+                        let m = system.block_on(measure(batch, k, overlap));
+                        (
+                            micros(m.wall),
+                            micros(m.cpu),
+                            m.phases,
+                            m.engine_wait.map_or(f64::NAN, micros),
+                        )
                     }
                 };
                 let overlap = if overlap { "on" } else { "off" };
                 println!(
-                    "{batch:>6} {k:>12} {overlap:>8} {micros:>18.1} {:>18.2} {cpu:>24.1} {inline:>22.1} {:>24} {:>24}",
-                    micros / batch as f64,
+                    "{batch:>6} {k:>12} {overlap:>8} {wall:>18.1} {:>18.2} {cpu:>24.1} {inline:>22.1} {:>24} {:>24} {idle:>20.1}",
+                    wall / batch as f64,
                     phases.to_string(),
                     inline_phases.to_string()
                 );

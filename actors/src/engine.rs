@@ -17,6 +17,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
 
 use actix::{Actor, Handler, Message, MessageResult, SyncContext};
 use cache::{
@@ -67,6 +68,8 @@ pub struct Engine {
     /// scheduler gave it, with the token it last picked: a row planned before the step ahead
     /// of it answered starts from that token.
     samplers: Vec<Option<Resident>>,
+    /// When the last step ended (its reply built).
+    last_step_end: Option<Instant>,
 }
 
 /// A request's sampler, kept between its steps.
@@ -109,6 +112,7 @@ impl Engine {
             promoting: HashMap::new(),
             corrupt_found: Vec::new(),
             samplers: Vec::new(),
+            last_step_end: None,
         }
     }
 
@@ -500,7 +504,7 @@ impl Engine {
         let mut sampled = SampledTokens::new(rows, steps);
         let mut lent: Vec<Option<&mut Sampler>> =
             samplers.iter_mut().map(|s| s.as_deref_mut()).collect();
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let first = self
             .backend
             .step_and_sample(plan, &mut lent)
@@ -560,7 +564,7 @@ impl Engine {
                     .into(),
             );
         }
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let mut output = self.backend.step(plan).map_err(|e| e.to_string())?;
         *first_step = (
             started.elapsed().as_secs_f64(),
@@ -623,7 +627,7 @@ impl Engine {
     ) -> Result<SampledTokens, String> {
         let mut lent: Vec<Option<&mut Sampler>> =
             samplers.iter_mut().map(|s| s.as_deref_mut()).collect();
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let picks = self
             .backend
             .step_and_verify(plan, &mut lent, drafts)
@@ -859,7 +863,10 @@ impl Engine {
     /// Does a step's work in order: evictions, promotions, the saves of pages given back this
     /// step, restores, forks, forward pass and sampling, the other saves.
     pub fn run(&mut self, mut step: EngineStep) -> EngineStepReply {
-        let began = std::time::Instant::now();
+        let began = Instant::now();
+        let waited = self
+            .last_step_end
+            .map(|end| began.saturating_duration_since(end));
         for &(slot, request) in &step.forget {
             if let Some(kept) = self.samplers.get_mut(slot as usize)
                 && kept.as_ref().is_some_and(|r| r.request == request)
@@ -941,6 +948,7 @@ impl Engine {
             forwarded.as_secs_f64() * 1e3,
             began.elapsed().as_secs_f64() * 1e3
         );
+        self.last_step_end = Some(Instant::now());
         EngineStepReply {
             id: step.id,
             demotions,
@@ -953,6 +961,7 @@ impl Engine {
             first_step_seconds: first_step.0,
             first_step_captured: first_step.1,
             cut_short,
+            waited,
             outcomes,
             saves,
             plan: step.plan,
@@ -1082,7 +1091,7 @@ impl Engine {
         if self.disk.is_none() {
             return 0;
         }
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         // Demotions still copying: their sources stay as they are, the copies are let end.
         let (mut demotions, mut promotions) = (Vec::new(), Vec::new());
         self.reap_demotions(true, &mut demotions);

@@ -3,6 +3,8 @@
 //! them are their actors' business (`kv_pool`, `snapshot_store`, `engine`), so the scheduler's
 //! vocabulary does not depend on actix.
 
+use std::time::Duration;
+
 use cache::{
     BackingId, CacheError, Eviction, Found, PageClone, PageCopy, PageId, PrefixHash, Promotion,
     SaveReservation, SaveStart, SlotHandle, SnapshotId, Tier,
@@ -298,6 +300,10 @@ pub struct EngineStepReply {
     /// A multi-step decode ended before its rows' step counts because the interrupt was
     /// raised (a request arrived or was cancelled).
     pub cut_short: bool,
+    /// The engine's time from the end of its last step to the start of this one (none for
+    /// its first): for a step planned while the one before it ran, the scheduling the device
+    /// waited for.
+    pub waited: Option<Duration>,
     /// What the picks left besides their tokens, by plan row, for the rows that left
     /// something (logprobs, kept logits, a grammar's failure), in row order.
     pub outcomes: Vec<(usize, PickOutcome)>,
@@ -340,6 +346,7 @@ impl EngineStepReply {
             first_step_seconds: 0.0,
             first_step_captured: false,
             cut_short: false,
+            waited: None,
             outcomes: Vec::new(),
             saves: vec![Err(reason.to_string()); shape.saves],
             plan: StepPlan::default(),

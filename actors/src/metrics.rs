@@ -88,6 +88,16 @@ fn describe() {
             "Engine steps planned and sent while the step before them was still running.",
         ),
         (
+            "snapserve_engine_waits_total",
+            "Engine steps planned ahead whose wait after the step before them was measured.",
+        ),
+        (
+            "snapserve_engine_wait_microseconds_total",
+            "The engine's time between the end of a step and the start of the next one planned \
+             ahead of it: the scheduling the device waits for in steady work (over \
+             snapserve_engine_waits_total: the wait a step).",
+        ),
+        (
             "snapserve_speculative_draft_tokens_total",
             "Tokens prompt lookup drafted for verification (speculative decoding).",
         ),
@@ -256,6 +266,9 @@ pub async fn render(handles: &Handles, prometheus: &PrometheusHandle) -> String 
     counter!("snapserve_multi_step_steps_total").absolute(scheduler.multi_steps);
     counter!("snapserve_multi_step_cut_short_total").absolute(scheduler.multi_steps_cut_short);
     counter!("snapserve_steps_planned_ahead_total").absolute(scheduler.planned_ahead);
+    counter!("snapserve_engine_waits_total").absolute(scheduler.engine_waits);
+    counter!("snapserve_engine_wait_microseconds_total")
+        .absolute(scheduler.engine_waited_nanos / 1000);
     counter!("snapserve_speculative_draft_tokens_total").absolute(scheduler.drafted_tokens);
     counter!("snapserve_speculative_accepted_tokens_total").absolute(scheduler.accepted_tokens);
     for (kept, &count) in scheduler.verified.iter().enumerate() {

@@ -104,6 +104,11 @@ pub struct SchedulerStats {
     pub multi_steps_cut_short: u64,
     /// Steps sent to the engine while the one before them was still running.
     pub planned_ahead: u64,
+    /// Of those answered, how many, and the engine's time between the end of the step
+    /// before and the start of each ([`crate::exchange::EngineStepReply::waited`]): what the
+    /// device waits for the scheduler a step in steady work.
+    pub engine_waits: u64,
+    pub engine_waited_nanos: u64,
     /// Steps that found nothing to do. Each was started on a readiness that was wrong; the
     /// loop then waits for the next event instead of spinning.
     pub idle_steps: u64,

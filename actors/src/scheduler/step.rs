@@ -223,6 +223,8 @@ pub(super) struct Draft {
     /// Once sent: some row of it scores prompt tokens (its logits all came to the host, so
     /// its time says little of a step's).
     scores: bool,
+    /// Once sent: it went to the engine while the step before it ran.
+    planned_ahead: bool,
 }
 
 /// The index of a job that left `running` (or whose epoch moved on) while a step naming it
@@ -1460,7 +1462,8 @@ impl Scheduler {
         self.next_step_id += 1;
         draft.plain = !multi_step && !verify;
         draft.verifies = verify;
-        self.stats.planned_ahead += !self.sent.is_empty() as u64;
+        draft.planned_ahead = !self.sent.is_empty();
+        self.stats.planned_ahead += draft.planned_ahead as u64;
         self.sent.push_back(draft);
         Some(step)
     }
@@ -1610,6 +1613,13 @@ impl Scheduler {
                     };
                     model.observe(draft.sent_tokens, reply.first_step_seconds);
                 }
+            }
+            // Between a step and the next one planned ahead of it the engine waits only for
+            // scheduling: the handing over of the step, and its planning if that took longer
+            // than the step before.
+            if let Some(waited) = reply.waited.filter(|_| draft.planned_ahead) {
+                self.stats.engine_waited_nanos += waited.as_nanos() as u64;
+                self.stats.engine_waits += 1;
             }
             self.saved_last_step = !draft.saves.is_empty();
             self.apply_engine_reply(&mut draft, reply, &mut ended);

@@ -1168,6 +1168,8 @@ fn steps_planned_ahead_give_the_tokens_of_steps_one_at_a_time() {
     }
     let expected = collect(&mut streams);
     assert_eq!(alone.scheduler.stats().planned_ahead, 0);
+    // No step was planned ahead: no engine wait is counted, though the engine timed each.
+    assert_eq!(alone.scheduler.stats().engine_waits, 0);
 
     let mut ahead = Harness::new(64, toml);
     let mut streams = mixed_prompts(&mut ahead, 20);
@@ -1181,6 +1183,9 @@ fn steps_planned_ahead_give_the_tokens_of_steps_one_at_a_time() {
     // Only behind steps of decode rows (the driver checks that), which most steps were.
     let stats = ahead.scheduler.stats();
     assert!(stats.planned_ahead >= 15, "{stats:?}");
+    // Each answered step planned ahead reports the engine's time since the step before.
+    assert_eq!(stats.engine_waits, stats.planned_ahead, "{stats:?}");
+    assert!(stats.engine_waited_nanos > 0, "{stats:?}");
     // Every running job's last pick was in flight when the next step was planned: a row
     // that starts from it ran, and nothing was computed twice.
     let computed: usize = driver.rows.iter().flatten().map(|&(_, n)| n).sum();
