@@ -291,39 +291,34 @@ async fn measure(batch: usize, decode_steps: usize, overlap: bool) -> Measured {
     }
     // Warm up until every sequence is decoding, then time a window of decode steps.
     let tokens_now = || async { handles.stats().await.scheduler.generated_tokens };
-    let phases_now = || async { handles.stats().await.scheduler.phase_nanos };
+    let scheduler_now = || async { handles.stats().await.scheduler };
     while tokens_now().await < 50 * batch as u64 {
         actix_rt::time::sleep(Duration::from_millis(1)).await;
     }
     let (start, first) = (Instant::now(), tokens_now().await);
     let cpu_start = thread_cpu_time();
-    let phases_before = phases_now().await;
-    let waits_now = || async {
-        let stats = handles.stats().await.scheduler;
-        (stats.engine_waits, stats.engine_waited_nanos)
-    };
-    let waits_before = waits_now().await;
+    let before = scheduler_now().await;
     let mut last = first;
     while last - first < WINDOW_STEPS * batch as u64 {
         actix_rt::time::sleep(Duration::from_millis(1)).await;
         last = tokens_now().await;
     }
     let (elapsed, cpu) = (start.elapsed(), thread_cpu_time() - cpu_start);
-    let waits_after = waits_now().await;
-    let phases_after = phases_now().await;
+    let after = scheduler_now().await;
     for id in 0..batch {
         handles.cancel(actors::RequestId(id as u64));
     }
     let steps = ((last - first) / batch as u64) as u32;
-    let phases = Phases::between(phases_before, phases_after, steps as u64);
+    let phases = Phases::between(before.phase_nanos, after.phase_nanos, steps as u64);
 
-    let waits = waits_after.0 - waits_before.0;
+    let waits = after.engine_waits - before.engine_waits;
     Measured {
         wall: elapsed / steps,
         cpu: cpu / steps,
         phases,
-        engine_wait: (waits > 0)
-            .then(|| Duration::from_nanos((waits_after.1 - waits_before.1) / waits)),
+        engine_wait: (waits > 0).then(|| {
+            Duration::from_nanos((after.engine_waited_nanos - before.engine_waited_nanos) / waits)
+        }),
     }
 }
 
@@ -411,7 +406,7 @@ fn main() {
             };
             for &overlap in &overlaps {
                 let micros = |d: Duration| d.as_secs_f64() * 1e6;
-                let (wall, cpu, phases, idle) = match only.as_str() {
+                let (wall, cpu, phases, wait) = match only.as_str() {
                     "inline" => (f64::NAN, f64::NAN, Phases::NONE, f64::NAN),
                     _ => {
                         let m = system.block_on(measure(batch, k, overlap));
@@ -425,7 +420,7 @@ fn main() {
                 };
                 let overlap = if overlap { "on" } else { "off" };
                 println!(
-                    "{batch:>6} {k:>12} {overlap:>8} {wall:>18.1} {:>18.2} {cpu:>24.1} {inline:>22.1} {:>24} {:>24} {idle:>20.1}",
+                    "{batch:>6} {k:>12} {overlap:>8} {wall:>18.1} {:>18.2} {cpu:>24.1} {inline:>22.1} {:>24} {:>24} {wait:>20.1}",
                     wall / batch as f64,
                     phases.to_string(),
                     inline_phases.to_string()
