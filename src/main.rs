@@ -153,6 +153,18 @@ struct BenchArgs {
     /// Only weights of at most this many MiB go through the gemv kernel.
     #[arg(long, default_value_t = engine::cuda::forward::GEMV_MAX_WEIGHT_BYTES >> 20)]
     gemv_max_weight_mib: usize,
+
+    /// The projection weights' format on the GPU, as `[engine] quantization` sets it for the
+    /// server: none (bf16) or fp8 (e4m3, a scale a weight row and a token).
+    #[arg(long, value_enum, default_value = "none")]
+    quantization: QuantizationArg,
+}
+
+/// `--quantization`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum QuantizationArg {
+    None,
+    Fp8,
 }
 
 /// `--backend`.
@@ -916,6 +928,7 @@ fn cuda_bench_backend(
         exact_verify: spec.verify_width > 1,
         programmatic_launch: !args.no_programmatic_launch,
         tune_gemms: !args.no_gemm_tuning,
+        fp8_weights: args.quantization == QuantizationArg::Fp8,
         pool: PoolSize::MemoryFraction(1.0),
         device_snapshot_bytes: 0,
         ..CudaOptions::for_tokens(0, spec.max_step_tokens(), spec.max_rows())
@@ -942,14 +955,18 @@ fn cuda_bench_backend(
     };
     let ranks = options.rank_devices();
     println!(
-        "snapserve bench: {what} on {} (CUDA graphs {}, gemv up to {} tokens)",
+        "snapserve bench: {what} on {} (CUDA graphs {}, {})",
         if ranks.len() == 1 {
             format!("GPU {}", ranks[0])
         } else {
             format!("{} ranks, GPUs {ranks:?}", ranks.len())
         },
         if options.cuda_graphs { "on" } else { "off" },
-        options.gemv_max_tokens
+        if options.fp8_weights {
+            "FP8 projections".to_string()
+        } else {
+            format!("gemv up to {} tokens", options.gemv_max_tokens)
+        }
     );
     backend
         .memory_plans()

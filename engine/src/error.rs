@@ -119,6 +119,9 @@ pub enum EngineError {
     #[error("tensor parallelism: {0}")]
     TensorParallel(String),
 
+    #[error("quantization: {0}")]
+    Quantization(String),
+
     #[error("no usable CUDA device: {0}")]
     CudaUnavailable(String),
 

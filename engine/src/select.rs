@@ -45,6 +45,13 @@ pub fn load(
     cuda: &CudaOptions,
 ) -> Result<Box<dyn Backend>> {
     let resolved = resolve(kind, cuda.device);
+    if resolved == Resolved::Cpu && cuda.fp8_weights {
+        return Err(EngineError::Quantization(
+            "quantization = \"fp8\" runs on the CUDA backend only (no usable GPU was found, or \
+             `[engine] backend` is \"cpu\"); leave it unset for the CPU"
+                .into(),
+        ));
+    }
     if resolved == Resolved::Cpu && cuda.tensor_parallel > 1 {
         return Err(EngineError::TensorParallel(format!(
             "tensor_parallel = {} splits the model over GPUs: it needs the CUDA backend",
@@ -72,10 +79,7 @@ pub fn load_cuda(model: &ModelFiles, cuda: &CudaOptions) -> Result<Box<dyn Backe
     } else {
         Box::new(CudaBackend::load(model, cuda)?)
     };
-    backend
-        .memory_plans()
-        .iter()
-        .for_each(|plan| tracing::info!("{plan}"));
+    log_start_up(backend.as_ref());
     Ok(backend)
 }
 
@@ -87,11 +91,19 @@ pub fn random_cuda(config: ModelConfig, seed: u64, cuda: &CudaOptions) -> Result
     } else {
         Box::new(CudaBackend::random(config, seed, cuda)?)
     };
-    backend
+    log_start_up(backend.as_ref());
+    Ok(backend)
+}
+
+/// The memory plan (a rank's each) and what start-up found, in the log.
+fn log_start_up(backend: &dyn Backend) {
+    for line in backend
         .memory_plans()
         .iter()
-        .for_each(|plan| tracing::info!("{plan}"));
-    Ok(backend)
+        .chain(&backend.start_up_notes())
+    {
+        tracing::info!("{line}");
+    }
 }
 
 #[cfg(test)]
@@ -114,5 +126,25 @@ mod tests {
         if let Err(e) = Device::open(0) {
             assert!(e.to_string().starts_with("no usable CUDA device:"), "{e}");
         }
+    }
+
+    #[test]
+    fn fp8_weights_on_the_cpu_are_refused_with_the_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = crate::model::synthetic::SyntheticSpec::tiny(3);
+        crate::model::synthetic::write(dir.path(), &spec).unwrap();
+        let model = ModelFiles::open(dir.path()).unwrap();
+        let cuda = CudaOptions {
+            fp8_weights: true,
+            ..CudaOptions::for_tokens(64, 64, 1)
+        };
+        let err = load(&model, BackendKind::Cpu, &CpuOptions::for_tokens(64), &cuda)
+            .err()
+            .expect("FP8 on the CPU is refused");
+        assert!(
+            err.to_string()
+                .starts_with("quantization: quantization = \"fp8\" runs on the CUDA backend"),
+            "{err}"
+        );
     }
 }

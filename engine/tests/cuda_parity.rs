@@ -534,3 +534,53 @@ fn sampled_verification_draws_one_uniform_per_pick() {
     assert!(short.len() < 8, "the draft of 5s was refused: {short:?}");
     println!("sampled verification picked {picks:?}, then {short:?}");
 }
+
+/// FP8 weights (`quantization = "fp8"`) against the same checkpoint in bf16 on the GPU: a
+/// prompt's logits and those of decode steps after it (eager and replayed as graphs) stay
+/// within what e4m3 with a scale a weight row and a token costs, and the argmax agrees wherever
+/// the bf16 margin is healthy against that difference.
+#[test]
+#[ignore = "needs a CUDA device (sm_89 or newer)"]
+fn fp8_weights_stay_close_to_bf16() {
+    for (name, spec) in specs() {
+        let (_dir, files) = model(&spec);
+        for graphs in [false, true] {
+            let fp8 = CudaOptions {
+                cuda_graphs: graphs,
+                fp8_weights: true,
+                ..CudaOptions::for_tokens(PAGES * PAGE, 1024, 16)
+            };
+            let mut quantized = CudaBackend::load(&files, &fp8).expect("FP8 weights load");
+            let mut bf16 = cuda(&files, graphs);
+            let prompt = prompt(6, 50);
+            let decode = [5, 9, 11, 40, 2, 17];
+            let want = common::run_logits(&mut bf16, &prompt, &decode, LogitsWanted::All);
+            let got = common::run_logits(&mut quantized, &prompt, &decode, LogitsWanted::All);
+            let (want, got) = (want.concat(), got.concat());
+            let (max, rel) = difference(&want, &got);
+            let v = bf16.info().vocab_size;
+            let (mut agree, mut healthy) = (0, 0);
+            for (w, g) in want.chunks(v).zip(got.chunks(v)) {
+                if margin(w) > 2.0 * max {
+                    healthy += 1;
+                    agree += usize::from(argmax(w) == argmax(g));
+                }
+            }
+            let top1 = want
+                .chunks(v)
+                .zip(got.chunks(v))
+                .filter(|(w, g)| argmax(w) == argmax(g))
+                .count();
+            println!(
+                "{name} (graphs {graphs}): FP8 against bf16: max abs {max:.3}, relative RMS \
+                 {rel:.2e}; argmax agrees at {top1}/{} positions, {agree}/{healthy} healthy",
+                want.len() / v
+            );
+            assert!(rel < 0.1, "{name}: relative RMS {rel} against bf16");
+            assert_eq!(
+                agree, healthy,
+                "{name}: an argmax differs at a healthy margin"
+            );
+        }
+    }
+}

@@ -26,8 +26,8 @@ pub mod step_time;
 pub use backoff::{Backoff, BackoffPolicy, BackoffStep, OnExhausted};
 pub use config::{
     AdmissionConfig, AdmissionPolicy, BackendKind, BackoffConfig, CacheConfig, CachePolicy, Config,
-    DraftSizing, EngineConfig, MAX_VERIFY_WIDTH, Policies, PoolSize, ServerConfig, ServerPolicy,
-    SnapshotConfig, SnapshotPolicy, SpeculativeConfig, SpeculativeMethod,
+    DraftSizing, EngineConfig, MAX_VERIFY_WIDTH, Policies, PoolSize, Quantization, ServerConfig,
+    ServerPolicy, SnapshotConfig, SnapshotPolicy, SpeculativeConfig, SpeculativeMethod,
 };
 pub use draft_length::{Acceptance, DraftCost, DraftOffer, draft_lengths};
 pub use error::PolicyError;

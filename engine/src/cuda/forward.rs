@@ -12,6 +12,10 @@
 //! leave no delta for the next norm to add. At batch 1 a layer is five launches instead of
 //! eight for SmolLM2, seven for Llama-3.1-8B.
 //!
+//! With FP8 weights every projection but the vocabulary's goes through cuBLASLt's FP8 product,
+//! its input quantized per token first (kernels/fp8.cu); the gemv kernels, which read bf16
+//! weights, are not used.
+//!
 //! The pass reads its metadata from fixed device buffers and takes only sizes as arguments, so
 //! a decode pass can be captured once per batch size and replayed. It allocates nothing.
 
@@ -28,7 +32,7 @@ use super::kernels::{
     RopeKv, Splits,
 };
 use super::pool::KvPool;
-use super::weights::GpuWeights;
+use super::weights::{GpuWeights, Matrix};
 use crate::error::Result;
 use crate::model::ModelConfig;
 
@@ -71,14 +75,18 @@ pub struct WorkspaceSizes {
     pub logit_rows: usize,
     /// (row or token) × split pairs the attention split buffers hold, each for every head.
     pub split_pairs: usize,
+    /// Room for a projection's input quantized to e4m3 and its tokens' scales (FP8 weights).
+    pub fp8: bool,
 }
 
 impl WorkspaceSizes {
     /// Bytes of each buffer, in [`Workspace`]'s order.
-    fn parts(&self, c: &ModelConfig) -> [usize; 10] {
+    fn parts(&self, c: &ModelConfig) -> [usize; 12] {
         let (t, h) = (self.tokens, c.hidden_size);
         let qkv = c.q_dim() + 2 * c.kv_dim();
         let split_rows = self.split_pairs * c.num_heads;
+        let widest_in = h.max(c.q_dim()).max(c.intermediate_size);
+        let fp8 = self.fp8 as usize;
         [
             t * h * 4,
             t * h * 2,
@@ -90,6 +98,8 @@ impl WorkspaceSizes {
             split_rows * 4,
             self.rows * 4,
             self.rows * c.num_heads * 4,
+            fp8 * t * widest_in,
+            fp8 * t * 4,
         ]
     }
 
@@ -118,6 +128,9 @@ pub struct Workspace {
     pub sampled: DPtr<u32>,
     /// Decode attention's counters of finished splits, zero between launches.
     pub done: DPtr<u32>,
+    /// `[tokens, in]` a projection's input in e4m3, and `[tokens]` its scales (FP8 weights).
+    pub x8: DPtr<u8>,
+    pub x8_scales: DPtr<f32>,
     pub sizes: WorkspaceSizes,
 }
 
@@ -142,6 +155,8 @@ impl Workspace {
             lse_part: take().cast(),
             sampled: take().cast(),
             done: take().cast(),
+            x8: take(),
+            x8_scales: take().cast(),
             _memory: memory,
             sizes,
         };
@@ -297,7 +312,8 @@ impl Forward<'_> {
     /// dominate; cuBLAS otherwise.
     fn gemv_serves(&self, shape: Linear) -> bool {
         let weight_bytes = shape.in_features * shape.out_features * 2;
-        shape.tokens <= self.gemv_max_tokens
+        !self.weights.fp8()
+            && shape.tokens <= self.gemv_max_tokens
             && weight_bytes <= self.gemv_max_weight_bytes
             && (!self.exact || shape.in_features.is_multiple_of(GEMV_TC_CHUNK))
     }
@@ -334,10 +350,28 @@ impl Forward<'_> {
     }
 
     /// `y = x · wᵀ` into bf16 rows.
-    fn project(&self, x: GemvInput, w: DPtr<bf16>, y: DPtr<bf16>, shape: Linear) -> Result<()> {
+    fn project(&self, x: GemvInput, w: Matrix, y: DPtr<bf16>, shape: Linear) -> Result<()> {
         match x {
-            GemvInput::Rows(x) if !self.gemv_serves(shape) => self.gemm.linear(x, w, y, shape),
-            x => self.gemv(x, w, GemvOutput::Rows(y), shape),
+            GemvInput::Rows(x) if !self.gemv_serves(shape) => self.linear(x, w, y, shape),
+            x => self.gemv(x, w.bf16(), GemvOutput::Rows(y), shape),
+        }
+    }
+
+    /// `y = x · wᵀ` through cuBLAS: bf16, or FP8 with `x` quantized per token first.
+    fn linear(&self, x: DPtr<bf16>, w: Matrix, y: DPtr<bf16>, shape: Linear) -> Result<()> {
+        match w {
+            Matrix::Bf16(w) => self.gemm.linear(x, w, y, shape),
+            Matrix::Fp8 { w, scales } => {
+                let (x8, x8_scales) = (self.ws.x8, self.ws.x8_scales);
+                self.kernels.quantize_rows_e4m3(
+                    x,
+                    x8,
+                    x8_scales,
+                    shape.tokens,
+                    shape.in_features,
+                )?;
+                self.gemm.linear_fp8(x8, x8_scales, w, scales, y, shape)
+            }
         }
     }
 
@@ -345,13 +379,13 @@ impl Forward<'_> {
     /// serves, else left in `proj` for the next norm to add.
     /// On a rank of a split model the projection is a partial sum over this rank's heads or
     /// columns: it goes to `proj`, and the all-reduce adds every rank's into the stream.
-    fn project_out(&self, x: DPtr<bf16>, w: DPtr<bf16>, shape: Linear) -> Result<Stream> {
+    fn project_out(&self, x: DPtr<bf16>, w: Matrix, shape: Linear) -> Result<Stream> {
         if let Some(tp) = &self.tp {
             if self.gemv_serves(shape) {
                 let out = GemvOutput::Rows(self.ws.proj);
-                self.gemv(GemvInput::Rows(x), w, out, shape)?;
+                self.gemv(GemvInput::Rows(x), w.bf16(), out, shape)?;
             } else {
-                self.gemm.linear(x, w, self.ws.proj, shape)?;
+                self.linear(x, w, self.ws.proj, shape)?;
             }
             let elems = shape.tokens * shape.out_features;
             tp.collective
@@ -360,10 +394,10 @@ impl Forward<'_> {
         }
         if self.gemv_serves(shape) {
             let out = GemvOutput::Accumulate(self.ws.x);
-            self.gemv(GemvInput::Rows(x), w, out, shape)?;
+            self.gemv(GemvInput::Rows(x), w.bf16(), out, shape)?;
             return Ok(Stream::Current);
         }
-        self.gemm.linear(x, w, self.ws.proj, shape)?;
+        self.linear(x, w, self.ws.proj, shape)?;
         Ok(Stream::Delta)
     }
 
@@ -486,7 +520,7 @@ impl Forward<'_> {
         let input = self.normed_input(stream, w.ffn_norm, gate_up)?;
         if self.gemv_serves(gate_up) {
             let out = GemvOutput::Glu(self.ws.narrow);
-            self.gemv(input, w.w_gate_up, out, gate_up)?;
+            self.gemv(input, w.w_gate_up.bf16(), out, gate_up)?;
         } else {
             self.project(input, w.w_gate_up, self.ws.wide, gate_up)?;
             self.kernels

@@ -12,6 +12,7 @@
 //! decode graphs run, once at start-up, and those products then run the fastest one where it
 //! beats the default; every other shape (prefill's, whose token counts vary) keeps `GemmEx`.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,7 +24,7 @@ use cudarc::driver::CudaStream;
 use half::bf16;
 
 use super::device::{DPtr, Device, DeviceBuffer};
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 
 /// cuBLAS's workspace; 32 MiB is what it asks for on Hopper.
 pub const WORKSPACE_BYTES: usize = 32 << 20;
@@ -39,6 +40,8 @@ pub struct Gemm {
     stream: Arc<CudaStream>,
     workspace: DeviceBuffer,
     tuned: HashMap<Key, Tuned>,
+    /// The FP8 products' descriptors and algorithms, by shape, made on first use.
+    fp8: RefCell<HashMap<Key, Fp8Product>>,
 }
 
 // SAFETY: the cuBLASLt handle and the descriptors in `tuned` are only used through `&self` /
@@ -190,6 +193,124 @@ impl Drop for Tuned {
     }
 }
 
+/// Sets one cuBLASLt descriptor attribute to `value`.
+///
+/// # Safety
+///
+/// `T` must be the attribute's documented type.
+unsafe fn set_attribute<T>(
+    desc: lt_sys::cublasLtMatmulDesc_t,
+    attribute: lt_sys::cublasLtMatmulDescAttributes_t,
+    value: &T,
+) -> Result<()> {
+    // SAFETY: `value` is a live `T`, of the size passed (the caller vouches for the type).
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc,
+            attribute,
+            (value as *const T).cast(),
+            std::mem::size_of::<T>(),
+        )?
+    };
+    Ok(())
+}
+
+/// An FP8 product's descriptors: `y[tokens, out] (bf16) = x[tokens, in] · w[out, in]ᵀ` with
+/// both operands e4m3, each output scaled by its weight row's and its token's scales
+/// (cuBLASLt's outer-vector scaling, cuBLAS 12.9 and newer on sm_90), accumulated in f32 with
+/// cuBLASLt's fast accumulation (as inference engines run FP8 products).
+struct Fp8Product {
+    desc: lt_sys::cublasLtMatmulDesc_t,
+    /// The weight `[in, out]` (column-major, transposed by the product), x `[in, tokens]`, y
+    /// `[out, tokens]`.
+    layouts: [lt_sys::cublasLtMatrixLayout_t; 3],
+    algo: lt_sys::cublasLtMatmulAlgo_t,
+}
+
+impl Fp8Product {
+    fn new(handle: lt_sys::cublasLtHandle_t, s: Linear) -> Result<Self> {
+        let desc = lt::create_matmul_desc(
+            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            lt_sys::cudaDataType::CUDA_R_32F,
+        )?;
+        let mut product = Fp8Product {
+            desc,
+            layouts: [std::ptr::null_mut(); 3],
+            algo: lt_sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+        };
+        let (m, n, k) = (s.out_features as u64, s.tokens as u64, s.in_features as u64);
+        let e4m3 = lt_sys::cudaDataType::CUDA_R_8F_E4M3;
+        product.layouts = [
+            lt::create_matrix_layout(e4m3, k, m, k as i64)?,
+            lt::create_matrix_layout(e4m3, k, n, k as i64)?,
+            lt::create_matrix_layout(lt_sys::cudaDataType::CUDA_R_16BF, m, n, m as i64)?,
+        ];
+        use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
+        let outer =
+            lt_sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as i32;
+        // SAFETY: TRANSA and the scale modes are i32s, FAST_ACCUM an i8, as cuBLASLt
+        // documents them.
+        unsafe {
+            set_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?;
+            set_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer)?;
+            set_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer)?;
+            set_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &1i8)?;
+        }
+        let pref = lt::create_matmul_pref()?;
+        let workspace = WORKSPACE_BYTES;
+        let mut result = std::mem::MaybeUninit::<lt_sys::cublasLtMatmulHeuristicResult_t>::zeroed();
+        let mut count = 0i32;
+        let [wl, xl, yl] = product.layouts;
+        // SAFETY: the descriptors are live; `result` holds one entry.
+        let status = unsafe {
+            lt::set_matmul_pref_attribute(
+                pref,
+                lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&workspace as *const usize).cast(),
+                std::mem::size_of::<usize>(),
+            )
+            .and_then(|()| {
+                lt_sys::cublasLtMatmulAlgoGetHeuristic(
+                    handle, desc, wl, xl, yl, yl, pref, 1, result.as_mut_ptr(), &mut count,
+                )
+                .result()
+            })
+        };
+        // SAFETY: created above.
+        unsafe { lt::destroy_matmul_pref(pref)? };
+        let refused = |why: String| {
+            EngineError::Quantization(format!(
+                "cuBLASLt has no FP8 product of {} tokens by [{} x {}] with a scale per row and \
+                 per token ({why}): FP8 weights need sm_90 and cuBLAS 12.9 or newer",
+                s.tokens, s.out_features, s.in_features
+            ))
+        };
+        status.map_err(|e| refused(e.to_string()))?;
+        // SAFETY: cuBLASLt wrote `count` entries, at most one.
+        let result = unsafe { result.assume_init() };
+        if count < 1 || result.state != lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(refused(format!("{count} algorithms, {:?}", result.state)));
+        }
+        product.algo = result.algo;
+        Ok(product)
+    }
+}
+
+impl Drop for Fp8Product {
+    fn drop(&mut self) {
+        // SAFETY: created in `Fp8Product::new`, used by nothing else; null layouts were never
+        // made.
+        unsafe {
+            for layout in self.layouts {
+                if !layout.is_null() {
+                    let _ = lt::destroy_matrix_layout(layout);
+                }
+            }
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
 /// What [`Gemm::tune`] found for one shape: µs a product with the default and with the best
 /// cuBLASLt candidate (`None`: none ran), and whether that candidate is kept.
 #[derive(Debug, Clone, Copy)]
@@ -217,7 +338,71 @@ impl Gemm {
             stream: device.stream().clone(),
             workspace,
             tuned: HashMap::new(),
+            fp8: RefCell::new(HashMap::new()),
         })
+    }
+
+    /// `y = x · wᵀ` in bf16 from e4m3 operands: `x` `[tokens, in]` with a scale a token in
+    /// `x_scales`, `w` `[out, in]` with a scale a row in `w_scales` (see
+    /// [`super::kernels::Kernels::quantize_rows_e4m3`]). A shape's descriptors are made on its
+    /// first product (a host call, safe while a graph is captured) and kept.
+    pub fn linear_fp8(
+        &self,
+        x: DPtr<u8>,
+        x_scales: DPtr<f32>,
+        w: DPtr<u8>,
+        w_scales: DPtr<f32>,
+        y: DPtr<bf16>,
+        shape: Linear,
+    ) -> Result<()> {
+        let key = Key::new(shape, cudaDataType::CUDA_R_16BF);
+        let mut products = self.fp8.borrow_mut();
+        let product = match products.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(Fp8Product::new(self.lt, shape)?)
+            }
+        };
+        use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
+        let (w_scales, x_scales) = (w_scales.raw(), x_scales.raw());
+        // SAFETY: the scale pointers are device addresses (`void *` attributes).
+        unsafe {
+            set_attribute(
+                product.desc,
+                Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                &w_scales,
+            )?;
+            set_attribute(
+                product.desc,
+                Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                &x_scales,
+            )?;
+        }
+        let (alpha, beta) = (1f32, 0f32);
+        let [wl, xl, yl] = product.layouts;
+        // SAFETY: the layouts describe the callers' buffers; the workspace is this handle's and
+        // the stream the device's.
+        unsafe {
+            lt::matmul(
+                self.lt,
+                product.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                w.raw() as *const _,
+                wl,
+                x.raw() as *const _,
+                xl,
+                y.raw() as *const _,
+                yl,
+                y.raw() as *mut _,
+                yl,
+                &product.algo,
+                self.workspace.ptr::<u8>().raw() as *mut _,
+                WORKSPACE_BYTES,
+                self.stream.cu_stream() as *mut _,
+            )?;
+        }
+        Ok(())
     }
 
     /// `y = x · wᵀ` in bf16.
@@ -416,6 +601,7 @@ impl Gemm {
 impl Drop for Gemm {
     fn drop(&mut self) {
         self.tuned.clear();
+        self.fp8.get_mut().clear();
         // SAFETY: created in `Gemm::new`; its descriptors were dropped just above.
         unsafe {
             let _ = lt::destroy_handle(self.lt);

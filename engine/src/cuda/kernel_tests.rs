@@ -425,6 +425,132 @@ fn gemm_projects_rows_in_bf16_and_f32() {
     check(&gemm, " after tuning");
 }
 
+/// Rows of `cols` values with the spreads FP8 meets: uniform rows, a row of zeros, a row with
+/// one outlier far above the rest (its small values go subnormal or to zero), tiny values.
+fn fp8_rows(r: &mut ChaCha8Rng, rows: usize, cols: usize) -> Vec<f32> {
+    let mut x = Vec::with_capacity(rows * cols);
+    for row in 0..rows {
+        let mut values = match row % 4 {
+            0 => uniform(r, cols, 1.0),
+            1 if row == 1 => vec![0.0; cols],
+            1 => uniform(r, cols, 1e-3),
+            2 => uniform(r, cols, 0.05),
+            _ => uniform(r, cols, 30.0),
+        };
+        if row % 4 == 2 {
+            values[cols / 3] = 900.0;
+        }
+        x.extend(round_bf16(&values));
+    }
+    x
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn quantize_rows_e4m3_matches_the_reference_bit_for_bit() {
+    use super::fp8::quantize_row;
+    let g = gpu(64);
+    let mut r = rng(8);
+    for (rows, cols) in [(1, 8), (6, 576), (5, 1536), (3, 14336), (9, 4104)] {
+        let x = fp8_rows(&mut r, rows, cols);
+        let x_d = g.upload_bf16(&x);
+        let (q_d, s_d) = (g.poisoned(rows * cols), g.poisoned(rows * 4));
+        g.kernels
+            .quantize_rows_e4m3(x_d.ptr(), q_d.ptr(), s_d.ptr(), rows, cols)
+            .unwrap();
+        let (q, scales) = (
+            g.download::<u8>(q_d.ptr(), rows * cols),
+            g.download::<f32>(s_d.ptr(), rows),
+        );
+        for row in 0..rows {
+            let (want_q, want_scale) = quantize_row(&x[row * cols..(row + 1) * cols]);
+            assert_eq!(
+                scales[row], want_scale,
+                "{rows} x {cols}: row {row}'s scale"
+            );
+            let got = &q[row * cols..(row + 1) * cols];
+            if let Some(i) = (0..cols).find(|&i| got[i] != want_q[i]) {
+                panic!(
+                    "{rows} x {cols}: row {row}, element {i} ({}): {:#04x}, want {:#04x}",
+                    x[row * cols + i],
+                    got[i],
+                    want_q[i]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn fp8_products_match_the_dequantized_reference() {
+    use super::fp8::{e4m3_to_f32, quantize_row};
+    let g = gpu(64);
+    let gemm = Gemm::new(&g.device).unwrap();
+    let mut r = rng(9);
+    for (tokens, inf, outf) in [
+        (1, 576, 1000),
+        (5, 576, 960),
+        (64, 1536, 576),
+        (300, 4096, 512),
+    ] {
+        let x = round_bf16(&uniform(&mut r, tokens * inf, 1.0));
+        let w = fp8_rows(&mut r, outf, inf);
+        let (x_d, w_d) = (g.upload_bf16(&x), g.upload_bf16(&w));
+        let (x8, xs) = (g.poisoned(tokens * inf), g.poisoned(tokens * 4));
+        let (w8, ws) = (g.poisoned(outf * inf), g.poisoned(outf * 4));
+        g.kernels
+            .quantize_rows_e4m3(x_d.ptr(), x8.ptr(), xs.ptr(), tokens, inf)
+            .unwrap();
+        g.kernels
+            .quantize_rows_e4m3(w_d.ptr(), w8.ptr(), ws.ptr(), outf, inf)
+            .unwrap();
+        let shape = Linear {
+            tokens,
+            in_features: inf,
+            out_features: outf,
+        };
+        let y = g.poisoned(tokens * outf * 2);
+        gemm.linear_fp8(x8.ptr(), xs.ptr(), w8.ptr(), ws.ptr(), y.ptr(), shape)
+            .unwrap();
+        let got = g.download_bf16(y.ptr(), tokens * outf);
+        let dequantized = |values: &[f32], rows: usize| -> Vec<f64> {
+            (0..rows)
+                .flat_map(|row| {
+                    let (q, scale) = quantize_row(&values[row * inf..(row + 1) * inf]);
+                    q.into_iter()
+                        .map(move |c| e4m3_to_f32(c) as f64 * scale as f64)
+                })
+                .collect()
+        };
+        let (xq, wq) = (dequantized(&x, tokens), dequantized(&w, outf));
+        let want: Vec<f32> = (0..tokens * outf)
+            .map(|i| {
+                let (t, o) = (i / outf, i % outf);
+                (0..inf)
+                    .map(|k| xq[t * inf + k] * wq[o * inf + k])
+                    .sum::<f64>() as f32
+            })
+            .collect();
+        // bf16 outputs and cuBLASLt's fast accumulation.
+        assert_close(
+            &format!("fp8 {tokens} x {inf} -> {outf}"),
+            &got,
+            &want,
+            8e-3,
+        );
+        // And what the quantization itself costs against the bf16 product: a few percent.
+        let exact = reference_product(&x, &w, tokens, inf, outf);
+        let exact: Vec<f32> = exact.iter().map(|&v| v as f32).collect();
+        let (_, rel) = compare(&got, &exact);
+        println!("fp8 {tokens} x {inf} -> {outf}: relative RMS against bf16 {rel:.2e}");
+        assert!(
+            rel < 0.1,
+            "fp8 {tokens} x {inf} -> {outf}: {rel} from the bf16 product"
+        );
+    }
+}
+
 /// The CUDA-core gemv, or the tensor-core one with `tc`.
 #[allow(clippy::type_complexity)]
 fn gemv(

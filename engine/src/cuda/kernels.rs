@@ -19,7 +19,7 @@ use super::gemm::Linear;
 use crate::error::{EngineError, Result};
 
 /// The sources, `common.cuh` first.
-const SOURCES: [(&str, &str); 14] = [
+const SOURCES: [(&str, &str); 15] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "embedding.cu",
@@ -56,6 +56,7 @@ const SOURCES: [(&str, &str); 14] = [
         "collective.cu",
         include_str!("../../../kernels/collective.cu"),
     ),
+    ("fp8.cu", include_str!("../../../kernels/fp8.cu")),
 ];
 
 /// Head dimensions the attention kernels are instantiated for.
@@ -273,6 +274,7 @@ pub struct Kernels {
     clone_pages: CudaFunction,
     unpack_step: CudaFunction,
     fill_uniform_bf16: CudaFunction,
+    quantize_rows_e4m3: CudaFunction,
     tp_all_reduce_add: CudaFunction,
     tp_gather_logits: CudaFunction,
     device: Arc<Device>,
@@ -335,6 +337,7 @@ impl Kernels {
             clone_pages: f("clone_pages")?,
             unpack_step: f("unpack_step")?,
             fill_uniform_bf16: f("fill_uniform_bf16")?,
+            quantize_rows_e4m3: f("quantize_rows_e4m3")?,
             tp_all_reduce_add: f("tp_all_reduce_add")?,
             tp_gather_logits: f("tp_gather_logits")?,
             device: device.clone(),
@@ -790,6 +793,32 @@ impl Kernels {
             .u32(group.world as u32);
         self.device
             .launch(&self.tp_gather_logits, (TP_BLOCKS, 1, 1), TP_THREADS, &args)
+    }
+
+    /// Quantizes `rows` bf16 rows of `cols` elements (a multiple of 8) to e4m3 in `q`, one
+    /// scale a row in `scales` (kernels/fp8.cu). Needs sm_89 or newer.
+    pub fn quantize_rows_e4m3(
+        &self,
+        x: DPtr<bf16>,
+        q: DPtr<u8>,
+        scales: DPtr<f32>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        assert!(
+            cols.is_multiple_of(8),
+            "quantized rows are a multiple of 8 long, not {cols}"
+        );
+        if rows == 0 {
+            return Ok(());
+        }
+        let args = Args::new().ptr(x).ptr(q).ptr(scales).u32(cols as u32);
+        self.device.launch(
+            &self.quantize_rows_e4m3,
+            (rows as u32, 1, 1),
+            row_threads(cols / 8),
+            &args,
+        )
     }
 
     /// The `window` of a tensor [`Kernels::fill_uniform`] would draw whole: the same values.

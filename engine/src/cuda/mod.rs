@@ -26,6 +26,7 @@
 pub mod collective;
 pub mod device;
 pub mod forward;
+pub mod fp8;
 pub mod gemm;
 pub mod graphs;
 pub mod kernels;
@@ -186,6 +187,9 @@ pub struct CudaOptions {
     /// the fastest where it beats cuBLAS's default ([`gemm::Gemm::tune`]; a split model keeps
     /// the default).
     pub tune_gemms: bool,
+    /// Hold the layers' projections in FP8 (e4m3, a scale a row) and run them as FP8 products
+    /// (`[engine] quantization = "fp8"`; sm_89 and newer, cuBLAS 12.9 and newer).
+    pub fp8_weights: bool,
 }
 
 impl CudaOptions {
@@ -230,6 +234,7 @@ impl CudaOptions {
                 .unwrap_or(speculative.method != SpeculativeMethod::None),
             programmatic_launch: true,
             tune_gemms: true,
+            fp8_weights: engine.quantization == policy::Quantization::Fp8,
         }
     }
 
@@ -253,6 +258,7 @@ impl CudaOptions {
             exact_verify: false,
             programmatic_launch: true,
             tune_gemms: true,
+            fp8_weights: false,
         }
     }
 }
@@ -410,6 +416,9 @@ impl CudaBackend {
             )));
         }
         let device = Device::open(options.device)?;
+        if options.fp8_weights {
+            check_fp8(&config, device.compute_capability)?;
+        }
         let kernels = Kernels::load(&device, config.head_dim)?;
         let geometry = KvGeometry {
             layers: config.num_layers,
@@ -420,6 +429,13 @@ impl CudaBackend {
         };
         let (capacity, sizes) = step_sizes(&config, options, device.multiprocessors as usize);
         let (tensor_core_gemv, rows_divide) = tensor_core_gemv(&config, options.exact_verify);
+        if options.exact_verify && options.fp8_weights {
+            tracing::warn!(
+                "batch_invariant with FP8 weights: the projections run on cuBLASLt, whose sums \
+                 depend on the token count, so a verification's text may part from one token a \
+                 step's near a tie"
+            );
+        }
         if options.exact_verify && !rows_divide {
             let rows = [config.hidden_size, config.q_dim(), config.intermediate_size];
             tracing::warn!(
@@ -434,7 +450,7 @@ impl CudaBackend {
             total_bytes: device.total_bytes,
             free_bytes: device.free_bytes()?,
             gpu_memory_fraction: options.gpu_memory_fraction,
-            weights_bytes: WeightLayout::new(&model, shard).bytes() as u64,
+            weights_bytes: WeightLayout::new(&model, shard, options.fp8_weights).bytes() as u64,
             workspace_bytes: (sizes.bytes(&config) + capacity.bytes()) as u64,
             snapshot_bytes: device_arena_bytes(options.device_snapshot_bytes),
             pool: options.pool,
@@ -443,9 +459,11 @@ impl CudaBackend {
             min_pages: geometry.pages_for(options.max_step_tokens),
         })?;
         let weights = match source {
-            WeightSource::Checkpoint(w) => GpuWeights::load(&device, &model, shard, w)?,
+            WeightSource::Checkpoint(w) => {
+                GpuWeights::load(&device, &kernels, &model, shard, options.fp8_weights, w)?
+            }
             WeightSource::Random { seed } => {
-                GpuWeights::random(&device, &kernels, &model, shard, seed)?
+                GpuWeights::random(&device, &kernels, &model, shard, options.fp8_weights, seed)?
             }
         };
         let tp = if shard.is_whole() {
@@ -505,7 +523,8 @@ impl CudaBackend {
             info,
             plan,
         };
-        if options.tune_gemms && backend.tp.is_none() {
+        // FP8 products pick cuBLASLt's first heuristic choice (not timed yet).
+        if options.tune_gemms && backend.tp.is_none() && !options.fp8_weights {
             backend.tune_gemms()?;
         }
         Ok(backend)
@@ -518,10 +537,10 @@ impl CudaBackend {
             .map(|l| self.weights.layer(l))
             .collect();
         let weights: [Vec<DPtr<half::bf16>>; 4] = [
-            layers.iter().map(|w| w.wqkv).collect(),
-            layers.iter().map(|w| w.wo).collect(),
-            layers.iter().map(|w| w.w_gate_up).collect(),
-            layers.iter().map(|w| w.w_down).collect(),
+            layers.iter().map(|w| w.wqkv.bf16()).collect(),
+            layers.iter().map(|w| w.wo.bf16()).collect(),
+            layers.iter().map(|w| w.w_gate_up.bf16()).collect(),
+            layers.iter().map(|w| w.w_down.bf16()).collect(),
         ];
         let shapes: Vec<(gemm::Linear, Vec<DPtr<half::bf16>>)> = tuned_products(
             &self.config,
@@ -1122,6 +1141,29 @@ fn tensor_core_gemv(config: &ModelConfig, exact_verify: bool) -> (bool, bool) {
     (exact_verify || faster, rows_divide)
 }
 
+/// Whether FP8 weights can serve `config` on a device of compute capability `cc`: e4m3 needs
+/// sm_89 or newer, and cuBLASLt's FP8 products rows whose bytes are a multiple of 16.
+fn check_fp8(config: &ModelConfig, cc: (i32, i32)) -> Result<()> {
+    if cc < (8, 9) {
+        return Err(EngineError::Quantization(format!(
+            "quantization = \"fp8\" needs a GPU of compute capability 8.9 or newer (Ada, \
+             Hopper); this one is {}.{}",
+            cc.0, cc.1
+        )));
+    }
+    let rows = [
+        ("hidden_size", config.hidden_size),
+        ("the attention's q width", config.q_dim()),
+        ("intermediate_size", config.intermediate_size),
+    ];
+    if let Some((name, n)) = rows.iter().find(|(_, n)| !n.is_multiple_of(16)) {
+        return Err(EngineError::Quantization(format!(
+            "quantization = \"fp8\" needs rows whose length is a multiple of 16; {name} is {n}"
+        )));
+    }
+    Ok(())
+}
+
 fn step_sizes(
     config: &ModelConfig,
     options: &CudaOptions,
@@ -1145,6 +1187,7 @@ fn step_sizes(
             capacity.rows,
             attn_shape(config, options.page_tokens).decode_blocks_per_row(),
         ),
+        fp8: options.fp8_weights,
     };
     (capacity, sizes)
 }
@@ -1217,7 +1260,15 @@ impl Backend for CudaBackend {
     }
 
     fn start_up_notes(&self) -> Vec<String> {
-        self.gemm_tuning.iter().cloned().collect()
+        let fp8 = self.weights.fp8().then(|| {
+            format!(
+                "projections in FP8 (e4m3, a scale a weight row and a token): weights {:.2} GiB",
+                self.weights.bytes() as f64 / (1u64 << 30) as f64
+            )
+        });
+        fp8.into_iter()
+            .chain(self.gemm_tuning.iter().cloned())
+            .collect()
     }
 
     fn last_step_captured(&self) -> bool {

@@ -7,6 +7,11 @@
 //! the host when stored in another type) or drawn on the device from a seed. A tensor-parallel
 //! rank holds its shard of each (see [`crate::model::shard`]): row slices of q/k/v, gate/up and
 //! the vocabulary projection, column slices of the output and down projections.
+//!
+//! With FP8 weights (`[engine] quantization = "fp8"`) the four projections of each layer are
+//! held as e4m3 with one f32 scale a row (after the row's bytes), quantized on the device from
+//! the bf16 values as they load (kernels/fp8.cu); the embedding, the norms, the biases and the
+//! vocabulary projection stay bf16.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -44,11 +49,17 @@ struct Slot {
     col0: usize,
     full_cols: usize,
     offset_bytes: usize,
+    /// Held as e4m3, its rows' scales at this offset; `None`: bf16.
+    fp8_scales_bytes: Option<usize>,
 }
 
 impl Slot {
+    fn rows(&self) -> usize {
+        self.parts.iter().map(|p| p.rows).sum::<usize>()
+    }
+
     fn elems(&self) -> usize {
-        self.parts.iter().map(|p| p.rows).sum::<usize>() * self.cols
+        self.rows() * self.cols
     }
 
     /// How random weights for this tensor are drawn: norms near 1, the embedding and biases in
@@ -75,6 +86,7 @@ pub struct WeightLayout {
     qkv_bias: bool,
     /// The vocabulary rows this rank holds, of the embedding and the projection alike.
     vocab: Range<usize>,
+    fp8: bool,
 }
 
 /// Slots per layer, in order: attention norm, qkv, o, MLP norm, gate/up, down, [qkv bias].
@@ -92,8 +104,9 @@ fn part(name: String, total: usize, range: Range<usize>, fused_row0: usize) -> P
 }
 
 impl WeightLayout {
-    /// The tensors rank `shard` holds of a model of `c` (all of them for [`Shard::WHOLE`]).
-    pub fn new(c: &ModelConfig, shard: Shard) -> Self {
+    /// The tensors rank `shard` holds of a model of `c` (all of them for [`Shard::WHOLE`]), the
+    /// layers' projections in e4m3 where `fp8`.
+    pub fn new(c: &ModelConfig, shard: Shard, fp8: bool) -> Self {
         let (h, f, q, kv, v, d) = (
             c.hidden_size,
             c.intermediate_size,
@@ -109,9 +122,9 @@ impl WeightLayout {
         );
         let mlp = shard.mlp(c);
         let whole = |name: String, rows: usize| vec![part(name, rows, 0..rows, 0)];
-        // (parts, columns held, full columns)
+        // (parts, columns held, full columns, a projection)
         let vocab = shard.vocab(c);
-        let mut specs: Vec<(Vec<Part>, Range<usize>, usize)> = vec![(
+        let mut specs: Vec<(Vec<Part>, Range<usize>, usize, bool)> = vec![(
             vec![part(
                 "model.embed_tokens.weight".into(),
                 v,
@@ -120,6 +133,7 @@ impl WeightLayout {
             )],
             0..h,
             h,
+            false,
         )];
         for i in 0..c.num_layers {
             let p = |leaf: &str| format!("model.layers.{i}.{leaf}");
@@ -141,10 +155,20 @@ impl WeightLayout {
                 ]
             };
             specs.extend([
-                (whole(p("input_layernorm.weight"), h), 0..1, 1),
-                (qkv("weight"), 0..h, h),
-                (whole(p("self_attn.o_proj.weight"), h), q_rows.clone(), q),
-                (whole(p("post_attention_layernorm.weight"), h), 0..1, 1),
+                (whole(p("input_layernorm.weight"), h), 0..1, 1, false),
+                (qkv("weight"), 0..h, h, true),
+                (
+                    whole(p("self_attn.o_proj.weight"), h),
+                    q_rows.clone(),
+                    q,
+                    true,
+                ),
+                (
+                    whole(p("post_attention_layernorm.weight"), h),
+                    0..1,
+                    1,
+                    false,
+                ),
                 (
                     vec![
                         part(p("mlp.gate_proj.weight"), f, mlp.clone(), 0),
@@ -152,33 +176,42 @@ impl WeightLayout {
                     ],
                     0..h,
                     h,
+                    true,
                 ),
-                (whole(p("mlp.down_proj.weight"), h), mlp.clone(), f),
+                (whole(p("mlp.down_proj.weight"), h), mlp.clone(), f, true),
             ]);
             if c.qkv_bias {
-                specs.push((qkv("bias"), 0..1, 1));
+                specs.push((qkv("bias"), 0..1, 1, false));
             }
         }
-        specs.push((whole("model.norm.weight".into(), h), 0..1, 1));
+        specs.push((whole("model.norm.weight".into(), h), 0..1, 1, false));
         if !c.tie_word_embeddings {
             specs.push((
                 vec![part("lm_head.weight".into(), v, vocab.clone(), 0)],
                 0..h,
                 h,
+                false,
             ));
         }
         let mut bytes = 0;
         let slots = specs
             .into_iter()
-            .map(|(parts, cols, full_cols)| {
-                let slot = Slot {
+            .map(|(parts, cols, full_cols, projection)| {
+                let mut slot = Slot {
                     parts,
                     cols: cols.len(),
                     col0: cols.start,
                     full_cols,
                     offset_bytes: bytes,
+                    fp8_scales_bytes: None,
                 };
-                bytes += (slot.elems() * 2).next_multiple_of(ALIGN_BYTES);
+                if fp8 && projection {
+                    bytes += slot.elems().next_multiple_of(ALIGN_BYTES);
+                    slot.fp8_scales_bytes = Some(bytes);
+                    bytes += (slot.rows() * 4).next_multiple_of(ALIGN_BYTES);
+                } else {
+                    bytes += (slot.elems() * 2).next_multiple_of(ALIGN_BYTES);
+                }
                 slot
             })
             .collect();
@@ -188,7 +221,19 @@ impl WeightLayout {
             tied: c.tie_word_embeddings,
             qkv_bias: c.qkv_bias,
             vocab,
+            fp8,
         }
+    }
+
+    /// Elements of the largest tensor held in e4m3 (0 for none): the bf16 staging its values
+    /// pass through on the device.
+    fn largest_fp8_elems(&self) -> usize {
+        self.slots
+            .iter()
+            .filter(|s| s.fp8_scales_bytes.is_some())
+            .map(Slot::elems)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Bytes of the weights' allocation.
@@ -202,21 +247,43 @@ impl WeightLayout {
     }
 }
 
+/// A projection's weight, `[out, in]`.
+#[derive(Debug, Clone, Copy)]
+pub enum Matrix {
+    Bf16(DPtr<bf16>),
+    /// e4m3 values and one f32 scale a row: row `r` is `w[r] · scales[r]`.
+    Fp8 {
+        w: DPtr<u8>,
+        scales: DPtr<f32>,
+    },
+}
+
+impl Matrix {
+    /// The bf16 weight. Only paths that FP8 weights never take ask (the gemv kernels, GEMM
+    /// tuning): an FP8 weight there is a bug.
+    pub fn bf16(self) -> DPtr<bf16> {
+        match self {
+            Matrix::Bf16(w) => w,
+            Matrix::Fp8 { .. } => panic!("an FP8 weight where a bf16 one is needed"),
+        }
+    }
+}
+
 /// Pointers to one layer's tensors.
 #[derive(Debug, Clone, Copy)]
 pub struct LayerWeights {
     pub attn_norm: DPtr<bf16>,
     /// `[q_dim + 2·kv_dim, hidden]`.
-    pub wqkv: DPtr<bf16>,
+    pub wqkv: Matrix,
     /// `[q_dim + 2·kv_dim]`, or null.
     pub bqkv: DPtr<bf16>,
     /// `[hidden, q_dim]`.
-    pub wo: DPtr<bf16>,
+    pub wo: Matrix,
     pub ffn_norm: DPtr<bf16>,
     /// `[2·ffn, hidden]`: gate rows, then up.
-    pub w_gate_up: DPtr<bf16>,
+    pub w_gate_up: Matrix,
     /// `[hidden, ffn]`.
-    pub w_down: DPtr<bf16>,
+    pub w_down: Matrix,
 }
 
 /// The weights on the device, and the rotary frequencies.
@@ -227,18 +294,25 @@ pub struct GpuWeights {
 }
 
 impl GpuWeights {
-    /// Allocates rank `shard`'s weights and copies them from a checkpoint.
+    /// Allocates rank `shard`'s weights (the projections in e4m3 where `fp8`) and copies them
+    /// from a checkpoint.
     pub fn load(
         device: &Arc<Device>,
+        kernels: &Kernels,
         config: &ModelConfig,
         shard: Shard,
+        fp8: bool,
         checkpoint: &Weights,
     ) -> Result<Self> {
-        let weights = Self::alloc(device, config, shard)?;
+        let weights = Self::alloc(device, config, shard, fp8)?;
+        let fp8_staging = weights.fp8_staging(device)?;
         let base = weights.memory.ptr::<u8>();
         let (mut staging, mut window) = (Vec::new(), Vec::new());
         for slot in &weights.layout.slots {
-            let mut at = base.offset(slot.offset_bytes);
+            let mut at = match &fp8_staging {
+                Some(bf16) if slot.fp8_scales_bytes.is_some() => bf16.ptr::<u8>(),
+                _ => base.offset(slot.offset_bytes),
+            };
             for part in &slot.parts {
                 let shape: &[usize] = if slot.full_cols == 1 {
                     &[part.tensor_rows]
@@ -250,9 +324,38 @@ impl GpuWeights {
                 device.upload(held, at)?;
                 at = at.offset(held.len());
             }
+            weights.quantize(kernels, slot, fp8_staging.as_ref())?;
         }
         device.synchronize()?;
         Ok(weights)
+    }
+
+    /// The device buffer the bf16 values of a tensor held in e4m3 pass through, if any is.
+    fn fp8_staging(&self, device: &Arc<Device>) -> Result<Option<DeviceBuffer>> {
+        let elems = self.layout.largest_fp8_elems();
+        (elems > 0)
+            .then(|| DeviceBuffer::alloc(device, elems * 2, "FP8 weights' bf16 staging"))
+            .transpose()
+    }
+
+    /// Quantizes `slot`'s bf16 values from `staging` into its place, if it is held in e4m3.
+    fn quantize(
+        &self,
+        kernels: &Kernels,
+        slot: &Slot,
+        staging: Option<&DeviceBuffer>,
+    ) -> Result<()> {
+        let (Some(scales), Some(staging)) = (slot.fp8_scales_bytes, staging) else {
+            return Ok(());
+        };
+        let base = self.memory.ptr::<u8>();
+        kernels.quantize_rows_e4m3(
+            staging.ptr(),
+            base.offset(slot.offset_bytes),
+            base.offset(scales).cast(),
+            slot.rows(),
+            slot.cols,
+        )
     }
 
     /// Allocates rank `shard`'s weights and draws them on the device from `seed`: each value
@@ -262,13 +365,18 @@ impl GpuWeights {
         kernels: &Kernels,
         config: &ModelConfig,
         shard: Shard,
+        fp8: bool,
         seed: u64,
     ) -> Result<Self> {
-        let weights = Self::alloc(device, config, shard)?;
+        let weights = Self::alloc(device, config, shard, fp8)?;
+        let fp8_staging = weights.fp8_staging(device)?;
         let base = weights.memory.ptr::<u8>();
         for (i, slot) in weights.layout.slots.iter().enumerate() {
             let tensor_seed = seed ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            let mut at = base.offset(slot.offset_bytes).cast::<bf16>();
+            let mut at = match &fp8_staging {
+                Some(bf16) if slot.fp8_scales_bytes.is_some() => bf16.ptr::<bf16>(),
+                _ => base.offset(slot.offset_bytes).cast::<bf16>(),
+            };
             for part in &slot.parts {
                 let window = Window {
                     rows: part.rows,
@@ -280,13 +388,14 @@ impl GpuWeights {
                 kernels.fill_uniform_window(at, window, tensor_seed, slot.random_range())?;
                 at = at.offset(part.rows * slot.cols);
             }
+            weights.quantize(kernels, slot, fp8_staging.as_ref())?;
         }
         device.synchronize()?;
         Ok(weights)
     }
 
-    fn alloc(device: &Arc<Device>, config: &ModelConfig, shard: Shard) -> Result<Self> {
-        let layout = WeightLayout::new(config, shard);
+    fn alloc(device: &Arc<Device>, config: &ModelConfig, shard: Shard, fp8: bool) -> Result<Self> {
+        let layout = WeightLayout::new(config, shard, fp8);
         let memory = DeviceBuffer::alloc(device, layout.bytes(), "the weights")?;
         let inv_freq = DeviceBuffer::alloc(device, config.head_dim / 2 * 4, "rope frequencies")?;
         device.upload(&config.rope_inv_freq(), inv_freq.ptr())?;
@@ -303,6 +412,11 @@ impl GpuWeights {
 
     pub fn bytes(&self) -> u64 {
         self.layout.bytes() as u64
+    }
+
+    /// Whether the projections are held in e4m3.
+    pub fn fp8(&self) -> bool {
+        self.layout.fp8
     }
 
     /// `[vocab / world, hidden]`: this rank's rows of the embedding table (`embed_rows`).
@@ -337,13 +451,23 @@ impl GpuWeights {
 
     pub fn layer(&self, layer: usize) -> LayerWeights {
         let slot = |index| self.at(self.layout.layer_slot(layer, index));
+        let matrix = |index| {
+            let slot = self.layout.layer_slot(layer, index);
+            match slot.fp8_scales_bytes {
+                None => Matrix::Bf16(self.at(slot)),
+                Some(scales) => Matrix::Fp8 {
+                    w: self.memory.ptr::<u8>().offset(slot.offset_bytes),
+                    scales: self.memory.ptr::<u8>().offset(scales).cast(),
+                },
+            }
+        };
         LayerWeights {
             attn_norm: slot(0),
-            wqkv: slot(1),
-            wo: slot(2),
+            wqkv: matrix(1),
+            wo: matrix(2),
             ffn_norm: slot(3),
-            w_gate_up: slot(4),
-            w_down: slot(5),
+            w_gate_up: matrix(4),
+            w_down: matrix(5),
             bqkv: if self.layout.qkv_bias {
                 slot(LAYER_SLOTS)
             } else {
@@ -426,7 +550,7 @@ mod tests {
 
     /// Every element each rank's slots hold, as the numbered checkpoint tensors give them.
     fn held(c: &ModelConfig, shard: Shard) -> Vec<Vec<u16>> {
-        let layout = WeightLayout::new(c, shard);
+        let layout = WeightLayout::new(c, shard, false);
         let mut window = Vec::new();
         layout
             .slots
@@ -492,7 +616,50 @@ mod tests {
             };
             assert_eq!(joined, whole[i], "slot {i}");
         }
-        let bytes = |s: Shard| WeightLayout::new(&c, s).bytes();
+        let bytes = |s: Shard| WeightLayout::new(&c, s, false).bytes();
         assert!(bytes(Shard { rank: 0, world: 2 }) < bytes(Shard::WHOLE));
+    }
+
+    #[test]
+    fn fp8_layouts_hold_each_projection_in_a_byte_an_element_and_a_scale_a_row() {
+        let c = config();
+        let bf16 = WeightLayout::new(&c, Shard::WHOLE, false);
+        let fp8 = WeightLayout::new(&c, Shard::WHOLE, true);
+        assert_eq!(bf16.slots.len(), fp8.slots.len());
+        assert!(bf16.slots.iter().all(|s| s.fp8_scales_bytes.is_none()));
+        let mut end = 0;
+        let mut projections = 0;
+        for (i, slot) in fp8.slots.iter().enumerate() {
+            assert!(slot.offset_bytes >= end, "slot {i} overlaps the one before");
+            assert_eq!(slot.offset_bytes % ALIGN_BYTES, 0);
+            end = match slot.fp8_scales_bytes {
+                Some(scales) => {
+                    projections += 1;
+                    assert!(scales >= slot.offset_bytes + slot.elems());
+                    assert_eq!(scales % ALIGN_BYTES, 0);
+                    scales + slot.rows() * 4
+                }
+                None => slot.offset_bytes + slot.elems() * 2,
+            };
+        }
+        assert!(end <= fp8.bytes());
+        // The four projections of each layer; the embedding, norms and lm_head stay bf16.
+        assert_eq!(projections, 4 * c.num_layers);
+        let (h, f, q, kv) = (c.hidden_size, c.intermediate_size, c.q_dim(), c.kv_dim());
+        let projection_elems = (q + 2 * kv) * h + h * q + 2 * f * h + h * f;
+        // Each projection's elements (multiples of 256 here) take a byte instead of two, and
+        // its scales take their rows' aligned f32s.
+        let scales: usize = fp8
+            .slots
+            .iter()
+            .filter(|s| s.fp8_scales_bytes.is_some())
+            .map(|s| (s.rows() * 4).next_multiple_of(ALIGN_BYTES))
+            .sum();
+        assert_eq!(
+            bf16.bytes() - fp8.bytes(),
+            c.num_layers * projection_elems - scales
+        );
+        assert_eq!(fp8.largest_fp8_elems(), 2 * f * h);
+        assert_eq!(bf16.largest_fp8_elems(), 0);
     }
 }
