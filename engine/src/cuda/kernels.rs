@@ -1097,6 +1097,26 @@ fn gemv_kernel(input: GemvInput, output: GemvOutput, rows: usize) -> (usize, usi
 mod tests {
     use super::*;
 
+    /// NVRTC needs no GPU: on a machine with its library (`pip download nvidia-cuda-nvrtc`,
+    /// its `lib` folder on `LD_LIBRARY_PATH`) the whole program compiles for sm_90, and with
+    /// `SNAPSERVE_PTX_OUT=FILE` the PTX is written there for `ptxas --gpu-name sm_90` (the
+    /// nvcc wheel's) to assemble: kernel edits checked before a GPU is lent.
+    #[test]
+    #[ignore = "needs libnvrtc on the library path (no GPU)"]
+    fn the_program_compiles_for_sm_90_without_a_gpu() {
+        let ptx = compile("sm_90").expect("the kernels compile");
+        let text = ptx.to_src();
+        for kernel in ["quantize_rows_e4m3", "silu_mul", "decode_attention"] {
+            assert!(
+                text.contains(&format!(".entry {kernel}")),
+                "{kernel} missing"
+            );
+        }
+        if let Some(path) = std::env::var_os("SNAPSERVE_PTX_OUT") {
+            std::fs::write(path, text).unwrap();
+        }
+    }
+
     #[test]
     fn only_dense_decode_grids_pack_three_blocks_a_multiprocessor() {
         // An H200: 132 multiprocessors, 228 KiB of shared memory each (1 KiB of it reserved
