@@ -21,7 +21,7 @@ use engine::generate::{Speculation, Vocabulary, generate_speculative};
 use engine::model::{ModelConfig, ModelFiles};
 use engine::sampling::SamplingParams;
 use engine::select::{self, BackendKind, Resolved};
-use policy::Policies;
+use policy::{Policies, Quantization};
 
 /// jemalloc, not glibc's malloc: a step's buffers are freed on one thread and reused on another
 /// (the scheduler's and the engine's), which glibc's per-thread arenas make slow (BENCHMARKS).
@@ -570,6 +570,7 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
         dir.file_name()
             .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
     });
+    let quantization = policies.engine.quantization;
     let config = ServeConfig {
         policies,
         model_id: model_identity(
@@ -578,6 +579,7 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
                 .as_deref()
                 .filter(|_| args.random_weights)
                 .map(|shape| (shape, args.seed)),
+            quantization,
         ),
         eos_token_ids: files.eos_token_ids.clone(),
         seed: 0,
@@ -668,9 +670,10 @@ async fn keep_prefixes(handles: &actors::Handles, model: &Model, path: &Path) ->
 }
 
 /// What names the model in prefix hashes and snapshot files: its folder, its config and its
-/// weight files' names and sizes (or, for random weights, the shape and seed), so a snapshot
-/// on disk is found again only by the same weights.
-fn model_identity(dir: &Path, random: Option<(&Path, u64)>) -> String {
+/// weight files' names and sizes (or, for random weights, the shape and seed), and how the GPU
+/// holds them where they are quantized (FP8 weights compute other KV bytes), so a snapshot on
+/// disk is found again only by the same weights computed the same way.
+fn model_identity(dir: &Path, random: Option<(&Path, u64)>, quantization: Quantization) -> String {
     use sha2::Digest;
     let mut hasher = sha2::Sha256::new();
     let mut absorb = |tag: &str, bytes: &[u8]| {
@@ -679,6 +682,11 @@ fn model_identity(dir: &Path, random: Option<(&Path, u64)>) -> String {
         hasher.update(bytes);
     };
     absorb("dir", dir.display().to_string().as_bytes());
+    // Unquantized weights absorb nothing here: their identities (and the snapshot files made
+    // under them) are those from before quantization existed.
+    if quantization != Quantization::None {
+        absorb("quantization", format!("{quantization:?}").as_bytes());
+    }
     match random {
         Some((shape, seed)) => {
             absorb("shape", &std::fs::read(shape).unwrap_or_default());
@@ -977,4 +985,23 @@ fn cuda_bench_backend(
         .iter()
         .for_each(|note| println!("{note}"));
     Ok(backend)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_weights_name_another_model_than_bf16_ones() {
+        let dir = Path::new("/nonexistent/model");
+        let path = Path::new("/nonexistent/shape.json");
+        let shape = Some((path, 7));
+        let plain = model_identity(dir, shape, Quantization::None);
+        assert_eq!(plain, model_identity(dir, shape, Quantization::None));
+        assert_ne!(plain, model_identity(dir, shape, Quantization::Fp8));
+        assert_ne!(
+            plain,
+            model_identity(dir, Some((path, 8)), Quantization::None)
+        );
+    }
 }
