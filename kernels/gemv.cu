@@ -22,6 +22,11 @@
 //   sum is not one more load after the product: the kernel just before a GEMV_ACCUM gemv must
 //   not write y (it is attention, or the gate/up product and its SiLU, in every forward pass),
 //   and every kernel before that one has finished when this one starts.
+//
+// With FP8 weights (the `w8_` entries, sm_89 and newer) w holds e4m3 rows, one f32 scale a row
+// in `w_scales`: a chunk of 8 elements is 8 bytes, widened exactly (e4m3 → f16 → f32), and each
+// row's sum is multiplied by its scale before the rounding and fusions above; x stays bf16
+// (weights alone in FP8: a small batch's product is the weights' bytes).
 
 #define GEMV_WARPS 4
 #define GEMV_ROWS 8
@@ -34,6 +39,34 @@ __device__ __forceinline__ float dot8(uint4 w, const float* x) {
     return bf16x2_lo(w.x) * x[0] + bf16x2_hi(w.x) * x[1] + bf16x2_lo(w.y) * x[2] +
            bf16x2_hi(w.y) * x[3] + bf16x2_lo(w.z) * x[4] + bf16x2_hi(w.z) * x[5] +
            bf16x2_lo(w.w) * x[6] + bf16x2_hi(w.w) * x[7];
+}
+
+// Two e4m3 values (the low byte first in memory) as floats, exactly.
+__device__ __forceinline__ void e4m3x2_to_f32(u32 pair, float& lo, float& hi) {
+#if __CUDA_ARCH__ >= 890
+    u32 halves;
+    unsigned short bits = (unsigned short)pair, l, h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(bits));
+    l = (unsigned short)halves;
+    h = (unsigned short)(halves >> 16);
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(l));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(h));
+#else
+    __trap();
+#endif
+}
+
+// Eight e4m3 weights (the low word's low byte first) against eight x values.
+__device__ __forceinline__ float dot8_e4m3(uint4 w, const float* x) {
+    float v[8];
+    e4m3x2_to_f32(w.x, v[0], v[1]);
+    e4m3x2_to_f32(w.x >> 16, v[2], v[3]);
+    e4m3x2_to_f32(w.y, v[4], v[5]);
+    e4m3x2_to_f32(w.y >> 16, v[6], v[7]);
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum += v[i] * x[i];
+    return sum;
 }
 
 __device__ __forceinline__ float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
@@ -70,9 +103,10 @@ __device__ __forceinline__ void gemv_norm_scales(const float* __restrict__ x, u3
 }
 
 // grid: ceil(out / outputs a block) blocks of GEMV_WARPS warps; TOKENS ≥ tokens.
-template <int TOKENS, int MODE>
-__device__ void gemv(const void* __restrict__ xp, const bf16* __restrict__ w, void* __restrict__ yp,
-                     const bf16* __restrict__ norm_w, float eps, u32 tokens, u32 in, u32 out) {
+template <int TOKENS, int MODE, bool W8>
+__device__ void gemv(const void* __restrict__ xp, const void* __restrict__ w, void* __restrict__ yp,
+                     const bf16* __restrict__ norm_w, float eps, u32 tokens, u32 in, u32 out,
+                     const float* __restrict__ w_scales) {
     constexpr bool NORM = MODE & GEMV_NORM, GLU = MODE & GEMV_GLU, ACCUM = MODE & GEMV_ACCUM;
     // Outputs a block writes: with GLU, rows o and out + o make output o.
     constexpr int OUTS = GLU ? GEMV_ROWS / 2 : GEMV_ROWS;
@@ -83,24 +117,37 @@ __device__ void gemv(const void* __restrict__ xp, const bf16* __restrict__ w, vo
         pdl_begin();
         return;
     }
-    const uint4* rows[GEMV_ROWS];
+    // A chunk of 8 elements: 16 bytes of bf16, 8 of e4m3.
+    constexpr u32 CHUNK_BYTES = W8 ? 8 : 16;
+    const unsigned char* rows[GEMV_ROWS];
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; ++r) {
         u32 o = min(o0 + (GLU ? r % OUTS : r), out - 1);
         u64 row = GLU && r >= OUTS ? (u64)out + o : o;
-        rows[r] = (const uint4*)(w + row * in);
+        rows[r] = (const unsigned char*)w + row * in * (CHUNK_BYTES / 8);
     }
     // The block's warps share the rows: lane l of warp w reads chunks w·32 + l, then one block
     // width further on, so a block streams contiguous 2 KB of each row at a time.
     constexpr u32 STRIDE = 32 * GEMV_WARPS;
     u32 chunks = in / 8;
-    uint4 wv[GEMV_ROWS][GEMV_UNROLL], gv[GEMV_UNROLL];
+    // e4m3 rows are read 8 bytes a lane: twice the loads in flight keep as many bytes coming.
+    constexpr int UNROLL = W8 ? 2 * GEMV_UNROLL : GEMV_UNROLL;
+    uint4 wv[GEMV_ROWS][UNROLL], gv[UNROLL];
     auto load = [&](u32 c0) {
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             u32 c = c0 + STRIDE * u;
 #pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r) wv[r][u] = c < chunks ? __ldg(rows[r] + c) : make_uint4(0, 0, 0, 0);
+            for (int r = 0; r < GEMV_ROWS; ++r) {
+                if (c >= chunks) {
+                    wv[r][u] = make_uint4(0, 0, 0, 0);
+                } else if (W8) {
+                    uint2 v = __ldg((const uint2*)(rows[r] + (u64)c * CHUNK_BYTES));
+                    wv[r][u] = make_uint4(v.x, v.y, 0, 0);
+                } else {
+                    wv[r][u] = __ldg((const uint4*)(rows[r] + (u64)c * CHUNK_BYTES));
+                }
+            }
             if (NORM) gv[u] = c < chunks ? __ldg((const uint4*)norm_w + c) : make_uint4(0, 0, 0, 0);
         }
     };
@@ -122,10 +169,10 @@ __device__ void gemv(const void* __restrict__ xp, const bf16* __restrict__ w, vo
     for (int r = 0; r < GEMV_ROWS; ++r)
 #pragma unroll
         for (int t = 0; t < TOKENS; ++t) acc[r][t] = 0.f;
-    for (u32 c0 = warp * 32 + lane; c0 < chunks; c0 += STRIDE * GEMV_UNROLL) {
+    for (u32 c0 = warp * 32 + lane; c0 < chunks; c0 += STRIDE * UNROLL) {
         if (c0 != warp * 32 + lane) load(c0);
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             u32 c = c0 + STRIDE * u;
             if (c >= chunks) break;
             float g[8];
@@ -144,7 +191,8 @@ __device__ void gemv(const void* __restrict__ xp, const bf16* __restrict__ w, vo
                     unpack8(((const uint4*)((const bf16*)xp + (u64)t * in))[c], xv);
                 }
 #pragma unroll
-                for (int r = 0; r < GEMV_ROWS; ++r) acc[r][t] += dot8(wv[r][u], xv);
+                for (int r = 0; r < GEMV_ROWS; ++r)
+                    acc[r][t] += W8 ? dot8_e4m3(wv[r][u], xv) : dot8(wv[r][u], xv);
             }
         }
     }
@@ -164,6 +212,7 @@ __device__ void gemv(const void* __restrict__ xp, const bf16* __restrict__ w, vo
         v[k] = 0.f;
 #pragma unroll
         for (int i = 0; i < GEMV_WARPS; ++i) v[k] += partial[i][o + k * OUTS][t];
+        if (W8) v[k] *= w_scales[k ? out + o0 + o : o0 + o];
     }
     if (GLU) {
         float gate = round_bf16(v[0]), up = round_bf16(v[1]);
@@ -175,17 +224,22 @@ __device__ void gemv(const void* __restrict__ xp, const bf16* __restrict__ w, vo
     }
 }
 
-#define GEMV_ENTRY(NAME, T, MODE)                                                                 \
+// `w_scales` is read by the `w8_` entries only (null for the others).
+#define GEMV_ENTRY(NAME, T, MODE, W8)                                                             \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                 \
-        NAME##_t##T(const void* x, const bf16* w, void* y, const bf16* norm_w, float eps,          \
-                    u32 tokens, u32 in, u32 out) {                                                \
-        gemv<T, MODE>(x, w, y, norm_w, eps, tokens, in, out);                                     \
+        NAME##_t##T(const void* x, const void* w, void* y, const bf16* norm_w, float eps,          \
+                    u32 tokens, u32 in, u32 out, const float* w_scales) {                         \
+        gemv<T, MODE, W8>(x, w, y, norm_w, eps, tokens, in, out, w_scales);                       \
     }
 #define GEMV_ENTRIES(NAME, MODE)                                                                  \
-    GEMV_ENTRY(NAME, 1, MODE)                                                                     \
-    GEMV_ENTRY(NAME, 2, MODE)                                                                     \
-    GEMV_ENTRY(NAME, 4, MODE)                                                                     \
-    GEMV_ENTRY(NAME, 8, MODE)
+    GEMV_ENTRY(NAME, 1, MODE, false)                                                              \
+    GEMV_ENTRY(NAME, 2, MODE, false)                                                              \
+    GEMV_ENTRY(NAME, 4, MODE, false)                                                              \
+    GEMV_ENTRY(NAME, 8, MODE, false)                                                              \
+    GEMV_ENTRY(w8_##NAME, 1, MODE, true)                                                          \
+    GEMV_ENTRY(w8_##NAME, 2, MODE, true)                                                          \
+    GEMV_ENTRY(w8_##NAME, 4, MODE, true)                                                          \
+    GEMV_ENTRY(w8_##NAME, 8, MODE, true)
 GEMV_ENTRIES(gemv, 0)
 GEMV_ENTRIES(gemv_norm, GEMV_NORM)
 GEMV_ENTRIES(gemv_glu, GEMV_GLU)

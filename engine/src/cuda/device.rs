@@ -391,6 +391,10 @@ impl<T> DPtr<T> {
         DPtr::new(addr)
     }
 
+    pub fn is_null(self) -> bool {
+        self.addr == 0
+    }
+
     /// The address as the driver API takes it.
     pub fn addr(self) -> CUdeviceptr {
         self.addr

@@ -12,9 +12,10 @@
 //! leave no delta for the next norm to add. At batch 1 a layer is five launches instead of
 //! eight for SmolLM2, seven for Llama-3.1-8B.
 //!
-//! With FP8 weights every projection but the vocabulary's goes through cuBLASLt's FP8 product,
-//! its input quantized per token first (kernels/fp8.cu); the gemv kernels, which read bf16
-//! weights, are not used.
+//! With FP8 weights the projections the gemv serves run on its FP8 entries (e4m3 weights, bf16
+//! inputs: the same fusions), and the others on cuBLASLt's FP8 product, their input quantized
+//! per token first (kernels/fp8.cu); the vocabulary projection stays bf16. There is no
+//! tensor-core FP8 gemv, so `exact` does not apply to FP8 weights.
 //!
 //! The pass reads its metadata from fixed device buffers and takes only sizes as arguments, so
 //! a decode pass can be captured once per batch size and replayed. It allocates nothing.
@@ -312,24 +313,20 @@ impl Forward<'_> {
     /// dominate; cuBLAS otherwise.
     fn gemv_serves(&self, shape: Linear) -> bool {
         let weight_bytes = shape.in_features * shape.out_features * 2;
-        !self.weights.fp8()
-            && shape.tokens <= self.gemv_max_tokens
+        shape.tokens <= self.gemv_max_tokens
             && weight_bytes <= self.gemv_max_weight_bytes
-            && (!self.exact || shape.in_features.is_multiple_of(GEMV_TC_CHUNK))
+            && (!self.exact
+                || self.weights.fp8()
+                || shape.in_features.is_multiple_of(GEMV_TC_CHUNK))
     }
 
-    /// The gemv this pass uses: the tensor-core one when `exact`.
-    fn gemv(
-        &self,
-        input: GemvInput,
-        w: DPtr<bf16>,
-        output: GemvOutput,
-        shape: Linear,
-    ) -> Result<()> {
-        if self.exact {
-            self.kernels.gemv_tc(input, w, output, shape)
-        } else {
-            self.kernels.gemv(input, w, output, shape)
+    /// The gemv this pass uses: the FP8 one for FP8 weights, else the tensor-core one when
+    /// `exact`.
+    fn gemv(&self, input: GemvInput, w: Matrix, output: GemvOutput, shape: Linear) -> Result<()> {
+        match w {
+            Matrix::Fp8 { w, scales } => self.kernels.gemv_fp8(input, w, scales, output, shape),
+            Matrix::Bf16(w) if self.exact => self.kernels.gemv_tc(input, w, output, shape),
+            Matrix::Bf16(w) => self.kernels.gemv(input, w, output, shape),
         }
     }
 
@@ -353,7 +350,7 @@ impl Forward<'_> {
     fn project(&self, x: GemvInput, w: Matrix, y: DPtr<bf16>, shape: Linear) -> Result<()> {
         match x {
             GemvInput::Rows(x) if !self.gemv_serves(shape) => self.linear(x, w, y, shape),
-            x => self.gemv(x, w.bf16(), GemvOutput::Rows(y), shape),
+            x => self.gemv(x, w, GemvOutput::Rows(y), shape),
         }
     }
 
@@ -383,7 +380,7 @@ impl Forward<'_> {
         if let Some(tp) = &self.tp {
             if self.gemv_serves(shape) {
                 let out = GemvOutput::Rows(self.ws.proj);
-                self.gemv(GemvInput::Rows(x), w.bf16(), out, shape)?;
+                self.gemv(GemvInput::Rows(x), w, out, shape)?;
             } else {
                 self.linear(x, w, self.ws.proj, shape)?;
             }
@@ -394,7 +391,7 @@ impl Forward<'_> {
         }
         if self.gemv_serves(shape) {
             let out = GemvOutput::Accumulate(self.ws.x);
-            self.gemv(GemvInput::Rows(x), w.bf16(), out, shape)?;
+            self.gemv(GemvInput::Rows(x), w, out, shape)?;
             return Ok(Stream::Current);
         }
         self.linear(x, w, self.ws.proj, shape)?;
@@ -520,7 +517,7 @@ impl Forward<'_> {
         let input = self.normed_input(stream, w.ffn_norm, gate_up)?;
         if self.gemv_serves(gate_up) {
             let out = GemvOutput::Glu(self.ws.narrow);
-            self.gemv(input, w.w_gate_up.bf16(), out, gate_up)?;
+            self.gemv(input, w.w_gate_up, out, gate_up)?;
         } else {
             self.project(input, w.w_gate_up, self.ws.wide, gate_up)?;
             self.kernels

@@ -606,6 +606,95 @@ fn gemv_matches_reference_for_few_tokens() {
     }
 }
 
+/// The FP8 gemv (e4m3 weights with a scale a row, bf16 inputs) with each of its fusions, against
+/// the references on the weights it holds: each row's e4m3 values times its scale.
+#[test]
+#[ignore = "needs a CUDA device (sm_89 or newer)"]
+fn gemv_fp8_matches_the_reference_with_every_fusion() {
+    use super::fp8::{e4m3_to_f32, quantize_row};
+    let g = gpu(64);
+    let eps = 1e-5;
+    for (tokens, inf, outf) in [(1, 576, 960), (3, 4096, 302), (8, 1536, 576), (5, 64, 8)] {
+        let mut r = rng(70 + tokens as u64);
+        let residual = uniform(&mut r, tokens * inf, 2.0);
+        let norm_weight = round_bf16(&uniform(&mut r, inf, 1.5));
+        let w = fp8_rows(&mut r, outf, inf);
+        let x = round_bf16(&uniform(&mut r, tokens * inf, 1.0));
+        let (residual_d, norm_d) = (g.upload(&residual), g.upload_bf16(&norm_weight));
+        let (w_d, x_d) = (g.upload_bf16(&w), g.upload_bf16(&x));
+        let (w8, scales) = (g.poisoned(outf * inf), g.poisoned(outf * 4));
+        g.kernels
+            .quantize_rows_e4m3(w_d.ptr(), w8.ptr(), scales.ptr(), outf, inf)
+            .unwrap();
+        let held: Vec<f32> = w
+            .chunks(inf)
+            .flat_map(|row| {
+                let (q, scale) = quantize_row(row);
+                q.into_iter().map(move |c| e4m3_to_f32(c) * scale)
+            })
+            .collect();
+        let gemv = |input, output| {
+            let shape = Linear {
+                tokens,
+                in_features: inf,
+                out_features: outf,
+            };
+            g.kernels
+                .gemv_fp8(input, w8.ptr(), scales.ptr(), output, shape)
+                .unwrap()
+        };
+        let what = |mode: &str| format!("FP8 {mode} {tokens}x{inf} by {outf}");
+        let normed = GemvInput::Normed {
+            residual: residual_d.ptr(),
+            weight: norm_d.ptr(),
+            eps,
+        };
+        let rows = GemvInput::Rows(x_d.ptr());
+        let plain = reference_product(&x, &held, tokens, inf, outf);
+        let of_norm = reference_product(
+            &reference_norm(&residual, &norm_weight, inf, eps),
+            &held,
+            tokens,
+            inf,
+            outf,
+        );
+        for (mode, input, product) in [("gemv", rows, &plain), ("gemv_norm", normed, &of_norm)] {
+            let y = g.poisoned(tokens * outf * 2);
+            gemv(input, GemvOutput::Rows(y.ptr()));
+            let want: Vec<f32> = product.iter().map(|&v| v as f32).collect();
+            let got = g.download_bf16(y.ptr(), tokens * outf);
+            assert_close(&what(mode), &got, &want, 4e-3);
+        }
+        let f = outf / 2;
+        let glu = |product: &[f64]| -> Vec<f32> {
+            (0..tokens * f)
+                .map(|i| {
+                    let (t, o) = (i / f, i % f);
+                    let gate = bf16::from_f64(product[t * outf + o]).to_f32();
+                    let up = bf16::from_f64(product[t * outf + f + o]).to_f32();
+                    gate / (1.0 + (-gate).exp()) * up
+                })
+                .collect()
+        };
+        for (mode, input, product) in [("glu", rows, &plain), ("norm_glu", normed, &of_norm)] {
+            let y = g.poisoned(tokens * f * 2);
+            gemv(input, GemvOutput::Glu(y.ptr()));
+            let got = g.download_bf16(y.ptr(), tokens * f);
+            assert_close(&what(mode), &got, &glu(product), 8e-3);
+        }
+        let stream = uniform(&mut r, tokens * outf, 3.0);
+        let stream_d = g.upload(&stream);
+        gemv(rows, GemvOutput::Accumulate(stream_d.ptr()));
+        let want: Vec<f32> = stream
+            .iter()
+            .zip(&plain)
+            .map(|(&s, &p)| s + bf16::from_f64(p).to_f32())
+            .collect();
+        let got = g.download(stream_d.ptr::<f32>(), tokens * outf);
+        assert_close(&what("accum"), &got, &want, 1e-3);
+    }
+}
+
 /// `Σ_k x[t][k] · w[o][k]` in f64, for every token and output.
 fn reference_product(x: &[f32], w: &[f32], tokens: usize, inf: usize, outf: usize) -> Vec<f64> {
     (0..tokens * outf)

@@ -262,6 +262,8 @@ pub struct Kernels {
     silu_mul: CudaFunction,
     /// By [`GEMV_KERNELS`], then for at most 1, 2, 4 and 8 tokens.
     gemv: Vec<[CudaFunction; 4]>,
+    /// The same with FP8 weights (`w8_` entries).
+    gemv_w8: Vec<[CudaFunction; 4]>,
     /// The tensor-core gemv (gemv_tc.cu), by [`GEMV_KERNELS`]: tiles of 8 rows, and of 16.
     gemv_tc: Vec<[CudaFunction; 2]>,
     rope_kv_append: CudaFunction,
@@ -307,6 +309,17 @@ impl Kernels {
                         f(&format!("{name}_t2"))?,
                         f(&format!("{name}_t4"))?,
                         f(&format!("{name}_t8"))?,
+                    ])
+                })
+                .collect::<Result<_>>()?,
+            gemv_w8: GEMV_KERNELS
+                .iter()
+                .map(|name| {
+                    Ok([
+                        f(&format!("w8_{name}_t1"))?,
+                        f(&format!("w8_{name}_t2"))?,
+                        f(&format!("w8_{name}_t4"))?,
+                        f(&format!("w8_{name}_t8"))?,
                     ])
                 })
                 .collect::<Result<_>>()?,
@@ -414,6 +427,30 @@ impl Kernels {
         output: GemvOutput,
         shape: Linear,
     ) -> Result<()> {
+        self.gemv_cuda_cores(input, (w.cast(), DPtr::NULL), output, shape)
+    }
+
+    /// [`Kernels::gemv`] with FP8 weights: `w` e4m3 `[out, in]`, `scales` one f32 a row (see
+    /// [`Kernels::quantize_rows_e4m3`]); x stays bf16. Needs sm_89 or newer.
+    pub fn gemv_fp8(
+        &self,
+        input: GemvInput,
+        w: DPtr<u8>,
+        scales: DPtr<f32>,
+        output: GemvOutput,
+        shape: Linear,
+    ) -> Result<()> {
+        self.gemv_cuda_cores(input, (w, scales), output, shape)
+    }
+
+    /// The CUDA-core gemv on bf16 weights (`scales` null) or e4m3 ones.
+    fn gemv_cuda_cores(
+        &self,
+        input: GemvInput,
+        (w, scales): (DPtr<u8>, DPtr<f32>),
+        output: GemvOutput,
+        shape: Linear,
+    ) -> Result<()> {
         let variant = match shape.tokens {
             1 => 0,
             2 => 1,
@@ -422,12 +459,17 @@ impl Kernels {
             n => panic!("gemv takes 1 to {GEMV_MAX_TOKENS} tokens, not {n}"),
         };
         let (kernel, per_block) = gemv_kernel(input, output, GEMV_ROWS);
+        let functions = if scales.is_null() {
+            &self.gemv
+        } else {
+            &self.gemv_w8
+        };
         self.launch_gemv(
-            &self.gemv[kernel][variant],
+            &functions[kernel][variant],
             per_block,
             (GEMV_THREADS, 0),
             input,
-            w,
+            (w, scales),
             output,
             shape,
         )
@@ -462,7 +504,7 @@ impl Kernels {
             per_block,
             (GEMV_TC_THREADS, ring as u32),
             input,
-            w,
+            (w.cast(), DPtr::NULL),
             output,
             shape,
         )
@@ -475,7 +517,7 @@ impl Kernels {
         per_block: usize,
         (threads, shared_bytes): (u32, u32),
         input: GemvInput,
-        w: DPtr<bf16>,
+        (w, w_scales): (DPtr<u8>, DPtr<f32>),
         output: GemvOutput,
         shape: Linear,
     ) -> Result<()> {
@@ -500,7 +542,10 @@ impl Kernels {
             .f32(eps)
             .u32(shape.tokens as u32)
             .u32(shape.in_features as u32)
-            .u32(outputs as u32);
+            .u32(outputs as u32)
+            // The CUDA-core gemv's last parameter (null for bf16 weights); the tensor-core one
+            // declares none, and a launch reads only the parameters its kernel declares.
+            .ptr(w_scales);
         let blocks = outputs.div_ceil(per_block) as u32;
         self.device
             .launch_with_shared(function, (blocks, 1, 1), threads, shared_bytes, &args)
