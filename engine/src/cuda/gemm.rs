@@ -248,19 +248,53 @@ impl Fp8Product {
         use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
         let outer =
             lt_sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as i32;
-        // SAFETY: TRANSA and the scale modes are i32s, FAST_ACCUM an i8, as cuBLASLt
-        // documents them.
+        // SAFETY: TRANSA and the scale modes are i32s, as cuBLASLt documents them.
         unsafe {
             set_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?;
             set_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer)?;
             set_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer)?;
-            set_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &1i8)?;
         }
-        let pref = lt::create_matmul_pref()?;
+        // Fast accumulation first; should no algorithm take it with these scales, the
+        // products accumulate the precise way instead.
+        let mut refusals = Vec::new();
+        for fast in [1i8, 0] {
+            // SAFETY: FAST_ACCUM is an i8.
+            unsafe { set_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast)? };
+            match product.heuristic(handle) {
+                Ok(algo) => {
+                    if fast == 0 {
+                        tracing::warn!(
+                            "cuBLASLt's FP8 products of {s:?} accumulate without fast \
+                             accumulation ({})",
+                            refusals.join("; ")
+                        );
+                    }
+                    product.algo = algo;
+                    return Ok(product);
+                }
+                Err(why) => refusals.push(format!("fast accumulation {fast}: {why}")),
+            }
+        }
+        Err(EngineError::Quantization(format!(
+            "cuBLASLt has no FP8 product of {} tokens by [{} x {}] with a scale per row and \
+             per token ({}): FP8 weights need sm_90 and cuBLAS 12.9 or newer",
+            s.tokens,
+            s.out_features,
+            s.in_features,
+            refusals.join("; ")
+        )))
+    }
+
+    /// cuBLASLt's first choice of algorithm for the descriptors as they are set.
+    fn heuristic(
+        &self,
+        handle: lt_sys::cublasLtHandle_t,
+    ) -> std::result::Result<lt_sys::cublasLtMatmulAlgo_t, String> {
+        let pref = lt::create_matmul_pref().map_err(|e| e.to_string())?;
         let workspace = WORKSPACE_BYTES;
         let mut result = std::mem::MaybeUninit::<lt_sys::cublasLtMatmulHeuristicResult_t>::zeroed();
         let mut count = 0i32;
-        let [wl, xl, yl] = product.layouts;
+        let [wl, xl, yl] = self.layouts;
         // SAFETY: the descriptors are live; `result` holds one entry.
         let status = unsafe {
             lt::set_matmul_pref_attribute(
@@ -271,28 +305,29 @@ impl Fp8Product {
             )
             .and_then(|()| {
                 lt_sys::cublasLtMatmulAlgoGetHeuristic(
-                    handle, desc, wl, xl, yl, yl, pref, 1, result.as_mut_ptr(), &mut count,
+                    handle,
+                    self.desc,
+                    wl,
+                    xl,
+                    yl,
+                    yl,
+                    pref,
+                    1,
+                    result.as_mut_ptr(),
+                    &mut count,
                 )
                 .result()
             })
         };
         // SAFETY: created above.
-        unsafe { lt::destroy_matmul_pref(pref)? };
-        let refused = |why: String| {
-            EngineError::Quantization(format!(
-                "cuBLASLt has no FP8 product of {} tokens by [{} x {}] with a scale per row and \
-                 per token ({why}): FP8 weights need sm_90 and cuBLAS 12.9 or newer",
-                s.tokens, s.out_features, s.in_features
-            ))
-        };
-        status.map_err(|e| refused(e.to_string()))?;
+        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        status.map_err(|e| e.to_string())?;
         // SAFETY: cuBLASLt wrote `count` entries, at most one.
         let result = unsafe { result.assume_init() };
         if count < 1 || result.state != lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            return Err(refused(format!("{count} algorithms, {:?}", result.state)));
+            return Err(format!("{count} algorithms, {:?}", result.state));
         }
-        product.algo = result.algo;
-        Ok(product)
+        Ok(result.algo)
     }
 }
 
