@@ -900,6 +900,10 @@ fn bench(cache_dir: &Path, args: BenchArgs) -> Result<()> {
             !args.random_weights,
             "--random-weights draws the weights on the GPU; no usable GPU was found"
         );
+        anyhow::ensure!(
+            args.quantization == QuantizationArg::None,
+            "--quantization fp8 runs on the GPU only; no usable GPU was found (or --backend cpu)"
+        );
         let dir = model_dir(cache_dir, args.model, DType::BF16, true)?;
         let model = ModelFiles::open(&dir)?;
         let mut options = CpuOptions::for_tokens(spec.tokens_needed(16));

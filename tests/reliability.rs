@@ -293,6 +293,51 @@ fn an_overload_with_disconnects_leaves_the_server_idle() {
 /// Tensor parallelism asked of a server that cannot have it: refused before it serves, with
 /// the reason, and a non-zero exit.
 #[test]
+fn fp8_weights_without_a_gpu_are_refused_with_the_reason() {
+    let model = smollm2();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("fp8.toml");
+    std::fs::write(&config, "[engine]\nquantization = \"fp8\"\n").unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_snapserve"))
+        .args(["serve", "--port", "0", "--backend", "cpu", "--model"])
+        .arg(&model)
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(
+        !output.status.success(),
+        "FP8 weights were served on the CPU"
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("quantization = \"fp8\" runs on the CUDA backend only"),
+        "{stderr}"
+    );
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_snapserve"))
+        .args([
+            "bench",
+            "--backend",
+            "cpu",
+            "--quantization",
+            "fp8",
+            "--model",
+        ])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(
+        !output.status.success(),
+        "FP8 weights were benched on the CPU"
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--quantization fp8 runs on the GPU only"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn a_split_model_the_server_cannot_run_is_refused_with_the_reason() {
     let model = smollm2();
     let refused = |args: &[&str], config: Option<&str>| {
