@@ -260,7 +260,7 @@ impl Fp8Product {
         for fast in [1i8, 0] {
             // SAFETY: FAST_ACCUM is an i8.
             unsafe { set_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast)? };
-            match product.heuristic(handle) {
+            match product.heuristic(handle, 1).map(|algos| algos[0]) {
                 Ok(algo) => {
                     if fast == 0 {
                         tracing::warn!(
@@ -285,17 +285,20 @@ impl Fp8Product {
         )))
     }
 
-    /// cuBLASLt's first choice of algorithm for the descriptors as they are set.
+    /// cuBLASLt's first `n` choices of algorithm for the descriptors as they are set, best
+    /// first by its own estimate (at least one, else why not).
     fn heuristic(
         &self,
         handle: lt_sys::cublasLtHandle_t,
-    ) -> std::result::Result<lt_sys::cublasLtMatmulAlgo_t, String> {
+        n: usize,
+    ) -> std::result::Result<Vec<lt_sys::cublasLtMatmulAlgo_t>, String> {
         let pref = lt::create_matmul_pref().map_err(|e| e.to_string())?;
         let workspace = WORKSPACE_BYTES;
-        let mut result = std::mem::MaybeUninit::<lt_sys::cublasLtMatmulHeuristicResult_t>::zeroed();
+        let mut results =
+            vec![std::mem::MaybeUninit::<lt_sys::cublasLtMatmulHeuristicResult_t>::zeroed(); n];
         let mut count = 0i32;
         let [wl, xl, yl] = self.layouts;
-        // SAFETY: the descriptors are live; `result` holds one entry.
+        // SAFETY: the descriptors are live; `results` holds `n` entries.
         let status = unsafe {
             lt::set_matmul_pref_attribute(
                 pref,
@@ -312,8 +315,8 @@ impl Fp8Product {
                     yl,
                     yl,
                     pref,
-                    1,
-                    result.as_mut_ptr(),
+                    n as i32,
+                    results.as_mut_ptr().cast(),
                     &mut count,
                 )
                 .result()
@@ -322,12 +325,18 @@ impl Fp8Product {
         // SAFETY: created above.
         let _ = unsafe { lt::destroy_matmul_pref(pref) };
         status.map_err(|e| e.to_string())?;
-        // SAFETY: cuBLASLt wrote `count` entries, at most one.
-        let result = unsafe { result.assume_init() };
-        if count < 1 || result.state != lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            return Err(format!("{count} algorithms, {:?}", result.state));
+        let algos: Vec<_> = results[..count.clamp(0, n as i32) as usize]
+            .iter()
+            // SAFETY: cuBLASLt wrote the first `count` entries.
+            .map(|r| unsafe { r.assume_init() })
+            .filter(|r| r.state == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .filter(|r| r.workspaceSize <= WORKSPACE_BYTES)
+            .map(|r| r.algo)
+            .collect();
+        if algos.is_empty() {
+            return Err(format!("{count} algorithms proposed, none usable"));
         }
-        Ok(result.algo)
+        Ok(algos)
     }
 }
 
@@ -454,6 +463,74 @@ impl Gemm {
         shape: Linear,
     ) -> Result<()> {
         self.gemm(x, w, y.cast(), cudaDataType::CUDA_R_32F, shape)
+    }
+
+    /// [`Gemm::tune`] for FP8 products: for each of `shapes` (bf16 output), on its weights in
+    /// turn (e4m3 values and their rows' scales), times cuBLASLt's first choice against its
+    /// other candidates and keeps the fastest where it is `TUNED_MIN_GAIN` faster. `x` holds
+    /// at least `tokens · in` bytes and `x_scales` `tokens` floats, `y` `tokens · out`
+    /// elements; their values do not matter. Not while a graph is captured.
+    #[allow(clippy::type_complexity)]
+    pub fn tune_fp8(
+        &mut self,
+        device: &Device,
+        shapes: &[(Linear, Vec<(DPtr<u8>, DPtr<f32>)>)],
+        (x, x_scales): (DPtr<u8>, DPtr<f32>),
+        y: DPtr<bf16>,
+    ) -> Result<Vec<TuneResult>> {
+        let mut results = Vec::with_capacity(shapes.len());
+        for (shape, weights) in shapes {
+            let (shape, weights) = (*shape, weights.as_slice());
+            assert!(!weights.is_empty(), "no weights to tune {shape:?} on");
+            let key = Key::new(shape, cudaDataType::CUDA_R_16BF);
+            self.fp8.get_mut().remove(&key);
+            // Made with cuBLASLt's first choice, the one an untuned product runs.
+            self.linear_fp8(x, x_scales, weights[0].0, weights[0].1, y, shape)?;
+            let time = |gemm: &Gemm| -> Result<f64> {
+                const WARM: usize = 2;
+                let reps = weights.len().max(10);
+                let mut next = weights.iter().cycle();
+                for &(w, scales) in next.by_ref().take(WARM) {
+                    gemm.linear_fp8(x, x_scales, w, scales, y, shape)?;
+                }
+                device.synchronize()?;
+                let started = Instant::now();
+                for &(w, scales) in next.take(reps) {
+                    gemm.linear_fp8(x, x_scales, w, scales, y, shape)?;
+                }
+                device.synchronize()?;
+                Ok(started.elapsed().as_secs_f64() * 1e6 / reps as f64)
+            };
+            let default_us = time(self)?;
+            let (first, candidates) = {
+                let products = self.fp8.get_mut();
+                let product = products.get(&key).expect("made by the product above");
+                let candidates = product.heuristic(self.lt, CANDIDATES).unwrap_or_default();
+                (product.algo, candidates)
+            };
+            let mut best: Option<(f64, lt_sys::cublasLtMatmulAlgo_t)> = None;
+            for algo in candidates.into_iter().skip(1) {
+                self.fp8.get_mut().get_mut(&key).expect("kept").algo = algo;
+                // A candidate cuBLASLt proposes may still refuse to run: skip it.
+                let Ok(us) = time(self) else { continue };
+                if best.is_none_or(|(b, _)| us < b) {
+                    best = Some((us, algo));
+                }
+            }
+            let kept = best.is_some_and(|(us, _)| us < default_us * (1.0 - TUNED_MIN_GAIN));
+            let algo = match (kept, best) {
+                (true, Some((_, algo))) => algo,
+                _ => first,
+            };
+            self.fp8.get_mut().get_mut(&key).expect("kept").algo = algo;
+            results.push(TuneResult {
+                shape,
+                default_us,
+                best_us: best.map(|(us, _)| us),
+                kept,
+            });
+        }
+        Ok(results)
     }
 
     /// Times the default product and cuBLASLt's candidates for each of `shapes` (bf16 output)

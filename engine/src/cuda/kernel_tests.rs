@@ -486,7 +486,7 @@ fn quantize_rows_e4m3_matches_the_reference_bit_for_bit() {
 fn fp8_products_match_the_dequantized_reference() {
     use super::fp8::{e4m3_to_f32, quantize_row};
     let g = gpu(64);
-    let gemm = Gemm::new(&g.device).unwrap();
+    let mut gemm = Gemm::new(&g.device).unwrap();
     let mut r = rng(9);
     for (tokens, inf, outf) in [
         (1, 576, 1000),
@@ -533,12 +533,26 @@ fn fp8_products_match_the_dequantized_reference() {
             })
             .collect();
         // bf16 outputs and cuBLASLt's fast accumulation.
-        assert_close(
-            &format!("fp8 {tokens} x {inf} -> {outf}"),
-            &got,
-            &want,
-            8e-3,
-        );
+        let what = format!("fp8 {tokens} x {inf} -> {outf}");
+        assert_close(&what, &got, &want, 8e-3);
+        // Start-up's tuning times cuBLASLt's other candidates; whichever it keeps computes
+        // the same product.
+        let scratch = (g.poisoned(tokens * inf), g.poisoned(tokens * 4));
+        let y_scratch = g.poisoned(tokens * outf * 2);
+        let tuned = gemm
+            .tune_fp8(
+                &g.device,
+                &[(shape, vec![(w8.ptr(), ws.ptr())])],
+                (scratch.0.ptr(), scratch.1.ptr()),
+                y_scratch.ptr(),
+            )
+            .unwrap();
+        println!("{what} tuned: {tuned:?}");
+        let y_tuned = g.poisoned(tokens * outf * 2);
+        gemm.linear_fp8(x8.ptr(), xs.ptr(), w8.ptr(), ws.ptr(), y_tuned.ptr(), shape)
+            .unwrap();
+        let tuned_got = g.download_bf16(y_tuned.ptr(), tokens * outf);
+        assert_close(&format!("{what}, tuned"), &tuned_got, &want, 8e-3);
         // And what the quantization itself costs against the bf16 product: a few percent.
         let exact = reference_product(&x, &w, tokens, inf, outf);
         let exact: Vec<f32> = exact.iter().map(|&v| v as f32).collect();

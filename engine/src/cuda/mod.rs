@@ -126,7 +126,7 @@ use pool::KvPool;
 use rayon::prelude::*;
 use snapshots::{ArenaSizes, Backings, PoolPages};
 use step_meta::{LogitSelection, MetaCapacity, PackRequest, StepLayout, StepMeta};
-use weights::{GpuWeights, WeightLayout};
+use weights::{GpuWeights, Matrix, WeightLayout};
 
 /// Steps of one token use the gemv kernel: measured on an H200 (BENCHMARKS.md), it serves
 /// SmolLM2's batch-1 decode 22% faster than cuBLAS, but batches of 8 slower.
@@ -523,8 +523,7 @@ impl CudaBackend {
             info,
             plan,
         };
-        // FP8 products pick cuBLASLt's first heuristic choice (not timed yet).
-        if options.tune_gemms && backend.tp.is_none() && !options.fp8_weights {
+        if options.tune_gemms && backend.tp.is_none() {
             backend.tune_gemms()?;
         }
         Ok(backend)
@@ -536,13 +535,13 @@ impl CudaBackend {
         let layers: Vec<_> = (0..self.config.num_layers)
             .map(|l| self.weights.layer(l))
             .collect();
-        let weights: [Vec<DPtr<half::bf16>>; 4] = [
-            layers.iter().map(|w| w.wqkv.bf16()).collect(),
-            layers.iter().map(|w| w.wo.bf16()).collect(),
-            layers.iter().map(|w| w.w_gate_up.bf16()).collect(),
-            layers.iter().map(|w| w.w_down.bf16()).collect(),
+        let weights: [Vec<Matrix>; 4] = [
+            layers.iter().map(|w| w.wqkv).collect(),
+            layers.iter().map(|w| w.wo).collect(),
+            layers.iter().map(|w| w.w_gate_up).collect(),
+            layers.iter().map(|w| w.w_down).collect(),
         ];
-        let shapes: Vec<(gemm::Linear, Vec<DPtr<half::bf16>>)> = tuned_products(
+        let shapes: Vec<(gemm::Linear, Vec<Matrix>)> = tuned_products(
             &self.config,
             self.attn_shape().qkv_width(),
             self.ws.sizes.rows.min(self.ws.sizes.logit_rows),
@@ -561,7 +560,26 @@ impl CudaBackend {
         let x = DeviceBuffer::alloc(&self.device, x_elems * 2, "GEMM tuning input")?;
         let y = DeviceBuffer::alloc(&self.device, y_elems * 2, "GEMM tuning output")?;
         let started = std::time::Instant::now();
-        let results = self.gemm.tune(&self.device, &shapes, x.ptr(), y.ptr())?;
+        let results = if self.weights.fp8() {
+            let fp8 = |ws: &[Matrix]| -> Vec<(DPtr<u8>, DPtr<f32>)> {
+                ws.iter()
+                    .map(|w| match *w {
+                        Matrix::Fp8 { w, scales } => (w, scales),
+                        Matrix::Bf16(_) => unreachable!("FP8 weights hold every projection so"),
+                    })
+                    .collect()
+            };
+            let shapes: Vec<_> = shapes.iter().map(|(s, ws)| (*s, fp8(ws))).collect();
+            // The inputs' bytes (e4m3) in the first half of `x`, their scales after.
+            let scales = x.ptr::<u8>().offset(x_elems).cast();
+            self.gemm
+                .tune_fp8(&self.device, &shapes, (x.ptr(), scales), y.ptr())?
+        } else {
+            let bf16 = |ws: &[Matrix]| ws.iter().map(|w| w.bf16()).collect();
+            let shapes: Vec<(gemm::Linear, Vec<DPtr<half::bf16>>)> =
+                shapes.iter().map(|(s, ws)| (*s, bf16(ws))).collect();
+            self.gemm.tune(&self.device, &shapes, x.ptr(), y.ptr())?
+        };
         let (mut default_us, mut tuned_us) = (0.0, 0.0);
         for r in &results {
             default_us += r.default_us;
@@ -579,9 +597,14 @@ impl CudaBackend {
                 if r.kept { ", kept" } else { "" }
             );
         }
+        let (what, default) = if self.weights.fp8() {
+            ("FP8 decode products", "cuBLASLt's first choice")
+        } else {
+            ("decode products on cuBLASLt", "cuBLAS's default")
+        };
         let summary = format!(
-            "tuned {} of {} decode products on cuBLASLt in {:.2} s: one of each together {:.0} µs \
-             with cuBLAS's default, {:.0} µs as run",
+            "tuned {} of {} {what} in {:.2} s: one of each together {:.0} µs with {default}, \
+             {:.0} µs as run",
             results.iter().filter(|r| r.kept).count(),
             results.len(),
             started.elapsed().as_secs_f64(),
