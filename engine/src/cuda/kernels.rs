@@ -469,7 +469,7 @@ impl Kernels {
             per_block,
             (GEMV_THREADS, 0),
             input,
-            (w, scales),
+            (w, Some(scales)),
             output,
             shape,
         )
@@ -504,7 +504,7 @@ impl Kernels {
             per_block,
             (GEMV_TC_THREADS, ring as u32),
             input,
-            (w.cast(), DPtr::NULL),
+            (w.cast(), None),
             output,
             shape,
         )
@@ -517,7 +517,7 @@ impl Kernels {
         per_block: usize,
         (threads, shared_bytes): (u32, u32),
         input: GemvInput,
-        (w, w_scales): (DPtr<u8>, DPtr<f32>),
+        (w, w_scales): (DPtr<u8>, Option<DPtr<f32>>),
         output: GemvOutput,
         shape: Linear,
     ) -> Result<()> {
@@ -542,10 +542,13 @@ impl Kernels {
             .f32(eps)
             .u32(shape.tokens as u32)
             .u32(shape.in_features as u32)
-            .u32(outputs as u32)
-            // The CUDA-core gemv's last parameter (null for bf16 weights); the tensor-core one
-            // declares none, and a launch reads only the parameters its kernel declares.
-            .ptr(w_scales);
+            .u32(outputs as u32);
+        // The CUDA-core gemv's last parameter (null for bf16 weights); the tensor-core one has
+        // none.
+        let args = match w_scales {
+            Some(scales) => args.ptr(scales),
+            None => args,
+        };
         let blocks = outputs.div_ceil(per_block) as u32;
         self.device
             .launch_with_shared(function, (blocks, 1, 1), threads, shared_bytes, &args)
