@@ -298,42 +298,37 @@ fn fp8_weights_without_a_gpu_are_refused_with_the_reason() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("fp8.toml");
     std::fs::write(&config, "[engine]\nquantization = \"fp8\"\n").unwrap();
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_snapserve"))
-        .args(["serve", "--port", "0", "--backend", "cpu", "--model"])
-        .arg(&model)
-        .arg("--config")
-        .arg(&config)
-        .output()
-        .unwrap();
+    let refused = |args: &[&str]| {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_snapserve"))
+            .args(args)
+            .arg("--model")
+            .arg(&model)
+            .output()
+            .unwrap();
+        assert!(
+            !output.status.success(),
+            "{args:?}: FP8 weights ran on the CPU"
+        );
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    let config = config.to_str().unwrap();
+    let serve = refused(&[
+        "serve",
+        "--port",
+        "0",
+        "--backend",
+        "cpu",
+        "--config",
+        config,
+    ]);
     assert!(
-        !output.status.success(),
-        "FP8 weights were served on the CPU"
+        serve.contains("quantization = \"fp8\" runs on the CUDA backend only"),
+        "{serve}"
     );
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let bench = refused(&["bench", "--backend", "cpu", "--quantization", "fp8"]);
     assert!(
-        stderr.contains("quantization = \"fp8\" runs on the CUDA backend only"),
-        "{stderr}"
-    );
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_snapserve"))
-        .args([
-            "bench",
-            "--backend",
-            "cpu",
-            "--quantization",
-            "fp8",
-            "--model",
-        ])
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(
-        !output.status.success(),
-        "FP8 weights were benched on the CPU"
-    );
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        stderr.contains("--quantization fp8 runs on the GPU only"),
-        "{stderr}"
+        bench.contains("--quantization fp8 runs on the GPU only"),
+        "{bench}"
     );
 }
 

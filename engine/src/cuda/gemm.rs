@@ -41,7 +41,7 @@ pub struct Gemm {
     workspace: DeviceBuffer,
     tuned: HashMap<Key, Tuned>,
     /// The FP8 products' descriptors and algorithms, by shape, made on first use.
-    fp8: RefCell<HashMap<Key, Fp8Product>>,
+    fp8: RefCell<HashMap<Key, LtProduct>>,
 }
 
 // SAFETY: the cuBLASLt handle and the descriptors in `tuned` are only used through `&self` /
@@ -76,150 +76,9 @@ impl Key {
     }
 }
 
-/// A product's cuBLASLt descriptors and the algorithm it runs.
-struct Tuned {
-    desc: lt_sys::cublasLtMatmulDesc_t,
-    /// The weight `[in, out]` (column-major, transposed by the product), x `[in, tokens]`, y
-    /// `[out, tokens]`.
-    layouts: [lt_sys::cublasLtMatrixLayout_t; 3],
-    algo: lt_sys::cublasLtMatmulAlgo_t,
-    /// Whether a launch of `algo` has been refused (reported once).
-    refused: std::sync::atomic::AtomicBool,
-}
-
-impl Tuned {
-    fn new(key: Key) -> Result<Self> {
-        let desc = lt::create_matmul_desc(
-            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            lt_sys::cudaDataType::CUDA_R_32F,
-        )?;
-        let (m, n, k) = (
-            key.out_features as u64,
-            key.tokens as u64,
-            key.in_features as u64,
-        );
-        let y_type = if key.f32_out {
-            lt_sys::cudaDataType::CUDA_R_32F
-        } else {
-            lt_sys::cudaDataType::CUDA_R_16BF
-        };
-        let bf16 = lt_sys::cudaDataType::CUDA_R_16BF;
-        let mut tuned = Tuned {
-            desc,
-            layouts: [std::ptr::null_mut(); 3],
-            algo: lt_sys::cublasLtMatmulAlgo_t { data: [0; 8] },
-            refused: Default::default(),
-        };
-        tuned.layouts = [
-            lt::create_matrix_layout(bf16, k, m, k as i64)?,
-            lt::create_matrix_layout(bf16, k, n, k as i64)?,
-            lt::create_matrix_layout(y_type, m, n, m as i64)?,
-        ];
-        let transpose: i32 = 1;
-        // SAFETY: the attribute is an i32, as cuBLASLt documents for TRANSA.
-        unsafe {
-            lt::set_matmul_desc_attribute(
-                desc,
-                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                (&transpose as *const i32).cast(),
-                std::mem::size_of::<i32>(),
-            )?;
-        }
-        Ok(tuned)
-    }
-
-    /// Up to [`CANDIDATES`] algorithms cuBLASLt proposes for this product, fastest first by
-    /// its own estimate, each within the workspace.
-    fn candidates(
-        &self,
-        handle: lt_sys::cublasLtHandle_t,
-    ) -> Result<Vec<lt_sys::cublasLtMatmulAlgo_t>> {
-        let pref = lt::create_matmul_pref()?;
-        let workspace = WORKSPACE_BYTES;
-        let mut results = vec![
-                std::mem::MaybeUninit::<lt_sys::cublasLtMatmulHeuristicResult_t>::zeroed();
-                CANDIDATES
-            ];
-        let mut count = 0i32;
-        // SAFETY: the descriptors are live; `results` holds CANDIDATES entries.
-        let status = unsafe {
-            lt::set_matmul_pref_attribute(
-                pref,
-                lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&workspace as *const usize).cast(),
-                std::mem::size_of::<usize>(),
-            )
-            .and_then(|()| {
-                lt_sys::cublasLtMatmulAlgoGetHeuristic(
-                    handle,
-                    self.desc,
-                    self.layouts[0],
-                    self.layouts[1],
-                    self.layouts[2],
-                    self.layouts[2],
-                    pref,
-                    CANDIDATES as i32,
-                    results.as_mut_ptr().cast(),
-                    &mut count,
-                )
-                .result()
-            })
-        };
-        // SAFETY: created above.
-        unsafe { lt::destroy_matmul_pref(pref)? };
-        status?;
-        Ok(results[..count.max(0) as usize]
-            .iter()
-            // SAFETY: cuBLASLt wrote the first `count` entries.
-            .map(|r| unsafe { r.assume_init() })
-            .filter(|r| r.state == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
-            .filter(|r| r.workspaceSize <= WORKSPACE_BYTES)
-            .map(|r| r.algo)
-            .collect())
-    }
-}
-
-impl Drop for Tuned {
-    fn drop(&mut self) {
-        // SAFETY: created in `Tuned::new`, used by nothing else; null layouts were never made.
-        unsafe {
-            for layout in self.layouts {
-                if !layout.is_null() {
-                    let _ = lt::destroy_matrix_layout(layout);
-                }
-            }
-            let _ = lt::destroy_matmul_desc(self.desc);
-        }
-    }
-}
-
-/// Sets one cuBLASLt descriptor attribute to `value`.
-///
-/// # Safety
-///
-/// `T` must be the attribute's documented type.
-unsafe fn set_attribute<T>(
-    desc: lt_sys::cublasLtMatmulDesc_t,
-    attribute: lt_sys::cublasLtMatmulDescAttributes_t,
-    value: &T,
-) -> Result<()> {
-    // SAFETY: `value` is a live `T`, of the size passed (the caller vouches for the type).
-    unsafe {
-        lt::set_matmul_desc_attribute(
-            desc,
-            attribute,
-            (value as *const T).cast(),
-            std::mem::size_of::<T>(),
-        )?
-    };
-    Ok(())
-}
-
-/// An FP8 product's descriptors: `y[tokens, out] (bf16) = x[tokens, in] · w[out, in]ᵀ` with
-/// both operands e4m3, each output scaled by its weight row's and its token's scales
-/// (cuBLASLt's outer-vector scaling, cuBLAS 12.9 and newer on sm_90), accumulated in f32 with
-/// cuBLASLt's fast accumulation (as inference engines run FP8 products).
-struct Fp8Product {
+/// A product's cuBLASLt descriptors and the algorithm it runs: `y[tokens, out] =
+/// x[tokens, in] · w[out, in]ᵀ` with the weight transposed by the product.
+struct LtProduct {
     desc: lt_sys::cublasLtMatmulDesc_t,
     /// The weight `[in, out]` (column-major, transposed by the product), x `[in, tokens]`, y
     /// `[out, tokens]`.
@@ -227,72 +86,44 @@ struct Fp8Product {
     algo: lt_sys::cublasLtMatmulAlgo_t,
 }
 
-impl Fp8Product {
-    fn new(handle: lt_sys::cublasLtHandle_t, s: Linear) -> Result<Self> {
+impl LtProduct {
+    /// Descriptors for operands of type `operand` and output of `y_type`, f32 accumulation;
+    /// no algorithm chosen yet.
+    fn new(s: Linear, operand: lt_sys::cudaDataType, y_type: lt_sys::cudaDataType) -> Result<Self> {
         let desc = lt::create_matmul_desc(
             lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             lt_sys::cudaDataType::CUDA_R_32F,
         )?;
-        let mut product = Fp8Product {
+        let mut product = LtProduct {
             desc,
             layouts: [std::ptr::null_mut(); 3],
             algo: lt_sys::cublasLtMatmulAlgo_t { data: [0; 8] },
         };
         let (m, n, k) = (s.out_features as u64, s.tokens as u64, s.in_features as u64);
-        let e4m3 = lt_sys::cudaDataType::CUDA_R_8F_E4M3;
         product.layouts = [
-            lt::create_matrix_layout(e4m3, k, m, k as i64)?,
-            lt::create_matrix_layout(e4m3, k, n, k as i64)?,
-            lt::create_matrix_layout(lt_sys::cudaDataType::CUDA_R_16BF, m, n, m as i64)?,
+            lt::create_matrix_layout(operand, k, m, k as i64)?,
+            lt::create_matrix_layout(operand, k, n, k as i64)?,
+            lt::create_matrix_layout(y_type, m, n, m as i64)?,
         ];
-        use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
-        let outer =
-            lt_sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as i32;
-        // SAFETY: TRANSA and the scale modes are i32s, as cuBLASLt documents them.
+        // SAFETY: TRANSA is an i32, as cuBLASLt documents it.
         unsafe {
-            set_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?;
-            set_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer)?;
-            set_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer)?;
-        }
-        // Fast accumulation first; should no algorithm take it with these scales, the
-        // products accumulate the precise way instead.
-        let mut refusals = Vec::new();
-        for fast in [1i8, 0] {
-            // SAFETY: FAST_ACCUM is an i8.
-            unsafe { set_attribute(desc, Attr::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast)? };
-            match product.heuristic(handle, 1).map(|algos| algos[0]) {
-                Ok(algo) => {
-                    if fast == 0 {
-                        tracing::warn!(
-                            "cuBLASLt's FP8 products of {s:?} accumulate without fast \
-                             accumulation ({})",
-                            refusals.join("; ")
-                        );
-                    }
-                    product.algo = algo;
-                    return Ok(product);
-                }
-                Err(why) => refusals.push(format!("fast accumulation {fast}: {why}")),
-            }
-        }
-        Err(EngineError::Quantization(format!(
-            "cuBLASLt has no FP8 product of {} tokens by [{} x {}] with a scale per row and \
-             per token ({}): FP8 weights need sm_90 and cuBLAS 12.9 or newer",
-            s.tokens,
-            s.out_features,
-            s.in_features,
-            refusals.join("; ")
-        )))
+            set_attribute(
+                desc,
+                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &1i32,
+            )?
+        };
+        Ok(product)
     }
 
-    /// cuBLASLt's first `n` choices of algorithm for the descriptors as they are set, best
-    /// first by its own estimate (at least one, else why not).
-    fn heuristic(
+    /// Up to `n` algorithms cuBLASLt proposes for the descriptors as they are set, fastest
+    /// first by its own estimate, each within the workspace.
+    fn candidates(
         &self,
         handle: lt_sys::cublasLtHandle_t,
         n: usize,
-    ) -> std::result::Result<Vec<lt_sys::cublasLtMatmulAlgo_t>, String> {
-        let pref = lt::create_matmul_pref().map_err(|e| e.to_string())?;
+    ) -> Result<Vec<lt_sys::cublasLtMatmulAlgo_t>> {
+        let pref = lt::create_matmul_pref()?;
         let workspace = WORKSPACE_BYTES;
         let mut results =
             vec![std::mem::MaybeUninit::<lt_sys::cublasLtMatmulHeuristicResult_t>::zeroed(); n];
@@ -323,26 +154,75 @@ impl Fp8Product {
             })
         };
         // SAFETY: created above.
-        let _ = unsafe { lt::destroy_matmul_pref(pref) };
-        status.map_err(|e| e.to_string())?;
-        let algos: Vec<_> = results[..count.clamp(0, n as i32) as usize]
+        unsafe { lt::destroy_matmul_pref(pref)? };
+        status?;
+        Ok(results[..count.clamp(0, n as i32) as usize]
             .iter()
             // SAFETY: cuBLASLt wrote the first `count` entries.
             .map(|r| unsafe { r.assume_init() })
             .filter(|r| r.state == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
             .filter(|r| r.workspaceSize <= WORKSPACE_BYTES)
             .map(|r| r.algo)
-            .collect();
-        if algos.is_empty() {
-            return Err(format!("{count} algorithms proposed, none usable"));
+            .collect())
+    }
+
+    /// An FP8 product (bf16 output): both operands e4m3, each output scaled by its weight
+    /// row's and its token's scales (cuBLASLt's outer-vector scaling, cuBLAS 12.9 and newer on
+    /// sm_90), with cuBLASLt's first choice of algorithm; fast accumulation (as inference
+    /// engines run FP8 products) unless no algorithm takes it with these scales.
+    fn fp8(handle: lt_sys::cublasLtHandle_t, s: Linear) -> Result<Self> {
+        let e4m3 = lt_sys::cudaDataType::CUDA_R_8F_E4M3;
+        let mut product = LtProduct::new(s, e4m3, lt_sys::cudaDataType::CUDA_R_16BF)?;
+        use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
+        let outer =
+            lt_sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as i32;
+        // SAFETY: the scale modes are i32s, as cuBLASLt documents them.
+        unsafe {
+            set_attribute(
+                product.desc,
+                Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                &outer,
+            )?;
+            set_attribute(
+                product.desc,
+                Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                &outer,
+            )?;
         }
-        Ok(algos)
+        let mut refusals = Vec::new();
+        for fast in [1i8, 0] {
+            // SAFETY: FAST_ACCUM is an i8.
+            unsafe { set_attribute(product.desc, Attr::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast)? };
+            match product.candidates(handle, 1) {
+                Ok(algos) if !algos.is_empty() => {
+                    if fast == 0 {
+                        tracing::warn!(
+                            "cuBLASLt's FP8 products of {s:?} accumulate without fast \
+                             accumulation ({})",
+                            refusals.join("; ")
+                        );
+                    }
+                    product.algo = algos[0];
+                    return Ok(product);
+                }
+                Ok(_) => refusals.push(format!("fast accumulation {fast}: no algorithm")),
+                Err(e) => refusals.push(format!("fast accumulation {fast}: {e}")),
+            }
+        }
+        Err(EngineError::Quantization(format!(
+            "cuBLASLt has no FP8 product of {} tokens by [{} x {}] with a scale per row and \
+             per token ({}): FP8 weights need sm_90 and cuBLAS 12.9 or newer",
+            s.tokens,
+            s.out_features,
+            s.in_features,
+            refusals.join("; ")
+        )))
     }
 }
 
-impl Drop for Fp8Product {
+impl Drop for LtProduct {
     fn drop(&mut self) {
-        // SAFETY: created in `Fp8Product::new`, used by nothing else; null layouts were never
+        // SAFETY: created in `LtProduct::new`, used by nothing else; null layouts were never
         // made.
         unsafe {
             for layout in self.layouts {
@@ -353,6 +233,57 @@ impl Drop for Fp8Product {
             let _ = lt::destroy_matmul_desc(self.desc);
         }
     }
+}
+
+/// A tuned bf16 product: its descriptors and kept algorithm, and whether a launch of it has
+/// been refused (reported once).
+struct Tuned {
+    product: LtProduct,
+    refused: std::sync::atomic::AtomicBool,
+}
+
+/// Sets one cuBLASLt descriptor attribute to `value`.
+///
+/// # Safety
+///
+/// `T` must be the attribute's documented type.
+unsafe fn set_attribute<T>(
+    desc: lt_sys::cublasLtMatmulDesc_t,
+    attribute: lt_sys::cublasLtMatmulDescAttributes_t,
+    value: &T,
+) -> Result<()> {
+    // SAFETY: `value` is a live `T`, of the size passed (the caller vouches for the type).
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc,
+            attribute,
+            (value as *const T).cast(),
+            std::mem::size_of::<T>(),
+        )?
+    };
+    Ok(())
+}
+
+/// µs a product takes, run on `weights` in turn (every layer's, as a step reads them): two
+/// warm-up runs, then at least ten from where the warm-up left off.
+fn time_over<W: Copy>(
+    device: &Device,
+    weights: &[W],
+    run: impl Fn(W) -> Result<()>,
+) -> Result<f64> {
+    const WARM: usize = 2;
+    let reps = weights.len().max(10);
+    let mut next = weights.iter().cycle();
+    for &w in next.by_ref().take(WARM) {
+        run(w)?;
+    }
+    device.synchronize()?;
+    let started = Instant::now();
+    for &w in next.take(reps) {
+        run(w)?;
+    }
+    device.synchronize()?;
+    Ok(started.elapsed().as_secs_f64() * 1e6 / reps as f64)
 }
 
 /// What [`Gemm::tune`] found for one shape: µs a product with the default and with the best
@@ -404,7 +335,7 @@ impl Gemm {
         let product = match products.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(Fp8Product::new(self.lt, shape)?)
+                e.insert(LtProduct::fp8(self.lt, shape)?)
             }
         };
         use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
@@ -422,31 +353,7 @@ impl Gemm {
                 &x_scales,
             )?;
         }
-        let (alpha, beta) = (1f32, 0f32);
-        let [wl, xl, yl] = product.layouts;
-        // SAFETY: the layouts describe the callers' buffers; the workspace is this handle's and
-        // the stream the device's.
-        unsafe {
-            lt::matmul(
-                self.lt,
-                product.desc,
-                (&alpha as *const f32).cast(),
-                (&beta as *const f32).cast(),
-                w.raw() as *const _,
-                wl,
-                x.raw() as *const _,
-                xl,
-                y.raw() as *const _,
-                yl,
-                y.raw() as *mut _,
-                yl,
-                &product.algo,
-                self.workspace.ptr::<u8>().raw() as *mut _,
-                WORKSPACE_BYTES,
-                self.stream.cu_stream() as *mut _,
-            )?;
-        }
-        Ok(())
+        self.matmul(product, x, w, y.cast())
     }
 
     /// `y = x · wᵀ` in bf16.
@@ -486,28 +393,14 @@ impl Gemm {
             self.fp8.get_mut().remove(&key);
             // Made with cuBLASLt's first choice, the one an untuned product runs.
             self.linear_fp8(x, x_scales, weights[0].0, weights[0].1, y, shape)?;
-            let time = |gemm: &Gemm| -> Result<f64> {
-                const WARM: usize = 2;
-                let reps = weights.len().max(10);
-                let mut next = weights.iter().cycle();
-                for &(w, scales) in next.by_ref().take(WARM) {
-                    gemm.linear_fp8(x, x_scales, w, scales, y, shape)?;
-                }
-                device.synchronize()?;
-                let started = Instant::now();
-                for &(w, scales) in next.take(reps) {
-                    gemm.linear_fp8(x, x_scales, w, scales, y, shape)?;
-                }
-                device.synchronize()?;
-                Ok(started.elapsed().as_secs_f64() * 1e6 / reps as f64)
+            let time = |gemm: &Gemm| {
+                time_over(device, weights, |(w, scales)| {
+                    gemm.linear_fp8(x, x_scales, w, scales, y, shape)
+                })
             };
             let default_us = time(self)?;
-            let (first, candidates) = {
-                let products = self.fp8.get_mut();
-                let product = products.get(&key).expect("made by the product above");
-                let candidates = product.heuristic(self.lt, CANDIDATES).unwrap_or_default();
-                (product.algo, candidates)
-            };
+            let product = &self.fp8.get_mut()[&key];
+            let (first, candidates) = (product.algo, product.candidates(self.lt, CANDIDATES)?);
             let mut best: Option<(f64, lt_sys::cublasLtMatmulAlgo_t)> = None;
             for algo in candidates.into_iter().skip(1) {
                 self.fp8.get_mut().get_mut(&key).expect("kept").algo = algo;
@@ -562,23 +455,6 @@ impl Gemm {
         y: DPtr<bf16>,
         min_gain: f64,
     ) -> Result<Vec<TuneResult>> {
-        // Runs `run` on the weights in turn, from where the warm-up left off.
-        let time =
-            |weights: &[DPtr<bf16>], run: &dyn Fn(DPtr<bf16>) -> Result<()>| -> Result<f64> {
-                const WARM: usize = 2;
-                let reps = weights.len().max(10);
-                let mut next = weights.iter().cycle();
-                for w in next.by_ref().take(WARM) {
-                    run(*w)?;
-                }
-                device.synchronize()?;
-                let started = Instant::now();
-                for w in next.take(reps) {
-                    run(*w)?;
-                }
-                device.synchronize()?;
-                Ok(started.elapsed().as_secs_f64() * 1e6 / reps as f64)
-            };
         let bf16_out = cudaDataType::CUDA_R_16BF;
         let mut results = Vec::with_capacity(shapes.len());
         for (shape, weights) in shapes {
@@ -586,13 +462,17 @@ impl Gemm {
             assert!(!weights.is_empty(), "no weights to tune {shape:?} on");
             let key = Key::new(shape, bf16_out);
             self.tuned.remove(&key);
-            let default_us = time(weights, &|w| self.gemm_ex(x, w, y.cast(), bf16_out, shape))?;
-            let mut tuned = Tuned::new(key)?;
+            let default_us = time_over(device, weights, |w| {
+                self.gemm_ex(x, w, y.cast(), bf16_out, shape)
+            })?;
+            let bf16 = lt_sys::cudaDataType::CUDA_R_16BF;
+            let mut product = LtProduct::new(shape, bf16, bf16)?;
             let mut best: Option<(f64, lt_sys::cublasLtMatmulAlgo_t)> = None;
-            for algo in tuned.candidates(self.lt)? {
-                tuned.algo = algo;
+            for algo in product.candidates(self.lt, CANDIDATES)? {
+                product.algo = algo;
+                let run = |w: DPtr<bf16>| self.matmul(&product, x.cast(), w.cast(), y.cast());
                 // A candidate cuBLASLt proposes may still refuse to run: skip it.
-                let Ok(us) = time(weights, &|w| self.matmul(&tuned, x, w, y.cast())) else {
+                let Ok(us) = time_over(device, weights, run) else {
                     continue;
                 };
                 if best.is_none_or(|(b, _)| us < b) {
@@ -601,8 +481,9 @@ impl Gemm {
             }
             let kept = best.is_some_and(|(us, _)| us < default_us * (1.0 - min_gain));
             if let (true, Some((_, algo))) = (kept, best) {
-                tuned.algo = algo;
-                self.tuned.insert(key, tuned);
+                product.algo = algo;
+                let refused = Default::default();
+                self.tuned.insert(key, Tuned { product, refused });
             }
             results.push(TuneResult {
                 shape,
@@ -628,30 +509,33 @@ impl Gemm {
         // Should cuBLASLt refuse to launch an algorithm that tuning ran (a tuned product failed
         // to launch once, in a run of four test backends in one process, cause not found), the
         // product runs on cuBLAS's default, which computes the same product; reported once.
-        self.matmul(tuned, x, w, y).or_else(|e| {
-            if !tuned
-                .refused
-                .swap(true, std::sync::atomic::Ordering::Relaxed)
-            {
-                tracing::warn!(
-                    "the tuned cuBLASLt algorithm for {s:?} did not launch ({e}); that product \
+        self.matmul(&tuned.product, x.cast(), w.cast(), y)
+            .or_else(|e| {
+                if !tuned
+                    .refused
+                    .swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
+                    tracing::warn!(
+                        "the tuned cuBLASLt algorithm for {s:?} did not launch ({e}); that product \
                      runs on cuBLAS's default algorithm instead"
-                );
-            }
-            self.gemm_ex(x, w, y, y_type, s)
-        })
+                    );
+                }
+                self.gemm_ex(x, w, y, y_type, s)
+            })
     }
 
-    /// The product through cuBLASLt with `tuned`'s algorithm.
-    fn matmul(&self, tuned: &Tuned, x: DPtr<bf16>, w: DPtr<bf16>, y: DPtr<u8>) -> Result<()> {
+    /// The product through cuBLASLt with `product`'s descriptors and algorithm (any scale
+    /// pointers set on them already).
+    fn matmul(&self, product: &LtProduct, x: DPtr<u8>, w: DPtr<u8>, y: DPtr<u8>) -> Result<()> {
         let (alpha, beta) = (1f32, 0f32);
-        let [wl, xl, yl] = tuned.layouts;
-        // SAFETY: the layouts describe the callers' buffers (see `tune` and `gemm`); the
-        // workspace is this handle's and the stream is the device's, the cuBLAS handle's too.
+        let [wl, xl, yl] = product.layouts;
+        // SAFETY: the layouts describe the callers' buffers (see `tune`, `gemm` and
+        // `linear_fp8`); the workspace is this handle's and the stream is the device's, the
+        // cuBLAS handle's too.
         unsafe {
             lt::matmul(
                 self.lt,
-                tuned.desc,
+                product.desc,
                 (&alpha as *const f32).cast(),
                 (&beta as *const f32).cast(),
                 w.raw() as *const _,
@@ -662,7 +546,7 @@ impl Gemm {
                 yl,
                 y.raw() as *mut _,
                 yl,
-                &tuned.algo,
+                &product.algo,
                 self.workspace.ptr::<u8>().raw() as *mut _,
                 WORKSPACE_BYTES,
                 self.stream.cu_stream() as *mut _,

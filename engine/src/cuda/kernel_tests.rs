@@ -680,16 +680,7 @@ fn gemv_fp8_matches_the_reference_with_every_fusion() {
             assert_close(&what(mode), &got, &want, 4e-3);
         }
         let f = outf / 2;
-        let glu = |product: &[f64]| -> Vec<f32> {
-            (0..tokens * f)
-                .map(|i| {
-                    let (t, o) = (i / f, i % f);
-                    let gate = bf16::from_f64(product[t * outf + o]).to_f32();
-                    let up = bf16::from_f64(product[t * outf + f + o]).to_f32();
-                    gate / (1.0 + (-gate).exp()) * up
-                })
-                .collect()
-        };
+        let glu = |product: &[f64]| reference_glu(product, tokens, outf);
         for (mode, input, product) in [("glu", rows, &plain), ("norm_glu", normed, &of_norm)] {
             let y = g.poisoned(tokens * f * 2);
             gemv(input, GemvOutput::Glu(y.ptr()));
@@ -717,6 +708,20 @@ fn reference_product(x: &[f32], w: &[f32], tokens: usize, inf: usize, outf: usiz
             (0..inf)
                 .map(|k| x[t * inf + k] as f64 * w[o * inf + k] as f64)
                 .sum()
+        })
+        .collect()
+}
+
+/// The gated activation of a `[gate; up]` product (`outf` columns a token: gate rows 0..outf/2,
+/// up rows after): silu(gate) · up from the bf16-rounded products, as the GLU gemv writes it.
+fn reference_glu(product: &[f64], tokens: usize, outf: usize) -> Vec<f32> {
+    let f = outf / 2;
+    (0..tokens * f)
+        .map(|i| {
+            let (t, o) = (i / f, i % f);
+            let gate = bf16::from_f64(product[t * outf + o]).to_f32();
+            let up = bf16::from_f64(product[t * outf + f + o]).to_f32();
+            gate / (1.0 + (-gate).exp()) * up
         })
         .collect()
 }
@@ -776,18 +781,8 @@ fn gemv_fuses_the_norm_before_and_the_activation_or_residual_add_after() {
         let got = g.download_bf16(y.ptr(), tokens * outf);
         assert_close(&what("gemv_norm"), &got, &want, 4e-3);
 
-        // Rows 0..f gate, f..2f up; silu(gate) · up from the bf16-rounded products.
         let f = outf / 2;
-        let glu = |product: &[f64]| -> Vec<f32> {
-            (0..tokens * f)
-                .map(|i| {
-                    let (t, o) = (i / f, i % f);
-                    let gate = bf16::from_f64(product[t * outf + o]).to_f32();
-                    let up = bf16::from_f64(product[t * outf + f + o]).to_f32();
-                    gate / (1.0 + (-gate).exp()) * up
-                })
-                .collect()
-        };
+        let glu = |product: &[f64]| reference_glu(product, tokens, outf);
         let y = g.poisoned(tokens * f * 2);
         gemv(normed, w_d.ptr(), GemvOutput::Glu(y.ptr()), shape).unwrap();
         let got = g.download_bf16(y.ptr(), tokens * f);

@@ -297,32 +297,23 @@ impl Kernels {
         device.allow_shared(&prefill_attention, prefill_shared_bytes(head_dim))?;
         let decode_attention = f(&format!("decode_attention_d{head_dim}"))?;
         device.allow_shared(&decode_attention, decode_shared_bytes(head_dim, 0, 1))?;
+        // The CUDA-core gemv's entries (`prefix` names the FP8 ones), each for at most 1, 2, 4
+        // and 8 tokens.
+        let gemv_entries = |prefix: &str| -> Result<Vec<[CudaFunction; 4]>> {
+            GEMV_KERNELS
+                .iter()
+                .map(|name| {
+                    let entry = |tokens: usize| f(&format!("{prefix}{name}_t{tokens}"));
+                    Ok([entry(1)?, entry(2)?, entry(4)?, entry(8)?])
+                })
+                .collect()
+        };
         Ok(Kernels {
             embed_tokens: f("embed_tokens")?,
             add_rms_norm: f("add_rms_norm")?,
             silu_mul: f("silu_mul")?,
-            gemv: GEMV_KERNELS
-                .iter()
-                .map(|name| {
-                    Ok([
-                        f(&format!("{name}_t1"))?,
-                        f(&format!("{name}_t2"))?,
-                        f(&format!("{name}_t4"))?,
-                        f(&format!("{name}_t8"))?,
-                    ])
-                })
-                .collect::<Result<_>>()?,
-            gemv_w8: GEMV_KERNELS
-                .iter()
-                .map(|name| {
-                    Ok([
-                        f(&format!("w8_{name}_t1"))?,
-                        f(&format!("w8_{name}_t2"))?,
-                        f(&format!("w8_{name}_t4"))?,
-                        f(&format!("w8_{name}_t8"))?,
-                    ])
-                })
-                .collect::<Result<_>>()?,
+            gemv: gemv_entries("")?,
+            gemv_w8: gemv_entries("w8_")?,
             gemv_tc: GEMV_KERNELS
                 .iter()
                 .map(|name| {

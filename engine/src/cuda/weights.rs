@@ -306,13 +306,9 @@ impl GpuWeights {
     ) -> Result<Self> {
         let weights = Self::alloc(device, config, shard, fp8)?;
         let fp8_staging = weights.fp8_staging(device)?;
-        let base = weights.memory.ptr::<u8>();
         let (mut staging, mut window) = (Vec::new(), Vec::new());
         for slot in &weights.layout.slots {
-            let mut at = match &fp8_staging {
-                Some(bf16) if slot.fp8_scales_bytes.is_some() => bf16.ptr::<u8>(),
-                _ => base.offset(slot.offset_bytes),
-            };
+            let mut at = weights.bf16_destination(slot, fp8_staging.as_ref());
             for part in &slot.parts {
                 let shape: &[usize] = if slot.full_cols == 1 {
                     &[part.tensor_rows]
@@ -336,6 +332,15 @@ impl GpuWeights {
         (elems > 0)
             .then(|| DeviceBuffer::alloc(device, elems * 2, "FP8 weights' bf16 staging"))
             .transpose()
+    }
+
+    /// Where `slot`'s bf16 values are written: its place, or the staging they are quantized
+    /// from if it is held in e4m3.
+    fn bf16_destination(&self, slot: &Slot, staging: Option<&DeviceBuffer>) -> DPtr<u8> {
+        match staging {
+            Some(bf16) if slot.fp8_scales_bytes.is_some() => bf16.ptr(),
+            _ => self.memory.ptr::<u8>().offset(slot.offset_bytes),
+        }
     }
 
     /// Quantizes `slot`'s bf16 values from `staging` into its place, if it is held in e4m3.
@@ -370,13 +375,11 @@ impl GpuWeights {
     ) -> Result<Self> {
         let weights = Self::alloc(device, config, shard, fp8)?;
         let fp8_staging = weights.fp8_staging(device)?;
-        let base = weights.memory.ptr::<u8>();
         for (i, slot) in weights.layout.slots.iter().enumerate() {
             let tensor_seed = seed ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            let mut at = match &fp8_staging {
-                Some(bf16) if slot.fp8_scales_bytes.is_some() => bf16.ptr::<bf16>(),
-                _ => base.offset(slot.offset_bytes).cast::<bf16>(),
-            };
+            let mut at = weights
+                .bf16_destination(slot, fp8_staging.as_ref())
+                .cast::<bf16>();
             for part in &slot.parts {
                 let window = Window {
                     rows: part.rows,
