@@ -177,6 +177,46 @@ __device__ u32 block_sum_u32(u32 v, u32* scratch) {
     return total;
 }
 
+// The largest value of `v` over the block, returned to every thread. `scratch` holds 32 values.
+__device__ float block_max(float v, float* scratch) {
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float m = 0.f;
+    for (u32 w = 0; w < warps; ++w) m = fmaxf(m, scratch[w]);
+    return m;
+}
+
+// FP8 (e4m3) rows, one scale a row (fp8.cu says how the scale is chosen): e4m3's largest finite
+// value, and a row's scale from its largest magnitude (1 for a row of zeros).
+#define E4M3_MAX 448.f
+__device__ __forceinline__ float e4m3_row_scale(float largest) {
+    return largest > 0.f ? largest / E4M3_MAX : 1.f;
+}
+
+// Two floats as one e4m3x2 half-word, `lo` in the low byte (the lower index in memory): rounded
+// to nearest even, saturated at ±448. Needs sm_89 or newer.
+__device__ __forceinline__ u32 pack_e4m3x2(float lo, float hi) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    __trap();
+    return 0;
+#endif
+}
+
+// Eight floats times `inv` (a row's 1 / scale) as eight e4m3 bytes: what every kernel writing
+// FP8 rows stores, so that fused and separate quantization give the same bytes.
+__device__ __forceinline__ uint2 pack_e4m3x8(const float* v, float inv) {
+    u32 w0 = pack_e4m3x2(v[0] * inv, v[1] * inv) | (pack_e4m3x2(v[2] * inv, v[3] * inv) << 16);
+    u32 w1 = pack_e4m3x2(v[4] * inv, v[5] * inv) | (pack_e4m3x2(v[6] * inv, v[7] * inv) << 16);
+    return make_uint2(w0, w1);
+}
+
 // 2^x with the multi-function unit's own instruction, subnormal results flushed to zero (what
 // exp2f costs beyond it is handling those: softmax weights that small round to nothing in bf16
 // and in an f32 sum anyway). exp2(-inf) is 0.

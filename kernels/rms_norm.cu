@@ -11,11 +11,17 @@
 // grid: one block per token; block: at least hidden / (8 · NORM_CHUNKS) threads. `delta` may be
 // null (nothing to add). `out_rows` may be null (token t writes row t); else token t writes row
 // out_rows[t], or nothing for NO_ROW, which packs the rows whose logits are wanted.
+//
+// With `q` not null the row goes out in FP8 instead, for an FP8 product: each element rounded to
+// bf16 as `out` would hold it, then quantized with the row's scale into `q` and `q_scales`
+// exactly as `quantize_rows_e4m3` would quantize `out` (fp8.cu), one pass instead of three.
 extern "C" __global__ void add_rms_norm(float* __restrict__ residual,
                                         const bf16* __restrict__ delta,
                                         const bf16* __restrict__ weight,
                                         bf16* __restrict__ out,
                                         const u32* __restrict__ out_rows,
+                                        unsigned char* __restrict__ q,
+                                        float* __restrict__ q_scales,
                                         u32 hidden, float eps) {
     pdl_begin();
     __shared__ float scratch[32];
@@ -46,6 +52,32 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ residual,
     u32 row = out_rows ? out_rows[t] : t;
     if (row == NO_ROW) return;
     float scale = rsqrtf(square_sum / (float)hidden + eps);
+    if (q) {
+        // The bf16 row into the registers that held the inputs, then its largest magnitude.
+        float largest = 0.f;
+#pragma unroll
+        for (int c = 0; c < NORM_CHUNKS; ++c) {
+            u32 chunk = threadIdx.x + c * blockDim.x;
+            if (chunk >= chunks) continue;
+            float w[8];
+            unpack8(w_bits[c], w);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                v[c][i] = bf16_to_f32(f32_to_bf16((v[c][i] * scale) * w[i]));
+                largest = fmaxf(largest, fabsf(v[c][i]));
+            }
+        }
+        float row_scale = e4m3_row_scale(block_max(largest, scratch));
+        float inv = 1.f / row_scale;
+        if (threadIdx.x == 0) q_scales[row] = row_scale;
+        uint2* y8 = (uint2*)(q + (u64)row * hidden);
+#pragma unroll
+        for (int c = 0; c < NORM_CHUNKS; ++c) {
+            u32 chunk = threadIdx.x + c * blockDim.x;
+            if (chunk < chunks) y8[chunk] = pack_e4m3x8(v[c], inv);
+        }
+        return;
+    }
     uint4* y = (uint4*)(out + (u64)row * hidden);
 #pragma unroll
     for (int c = 0; c < NORM_CHUNKS; ++c) {

@@ -31,3 +31,46 @@ extern "C" __global__ void silu_mul(const bf16* __restrict__ gate_up, bf16* __re
         out[i] = f32_to_bf16(silu_times(bf16_to_f32(row[j]), bf16_to_f32(row[ffn + j])));
     }
 }
+
+// silu_mul for an FP8 product's input: a block a token, each element rounded to bf16 as
+// `silu_mul` writes it, then the row quantized into `q` and `q_scales` exactly as
+// `quantize_rows_e4m3` would quantize `silu_mul`'s row (fp8.cu). Each thread holds up to
+// SILU_E4M3_CHUNKS chunks of 8 between the two passes; `ffn` is a multiple of 8 and at most
+// 8 · SILU_E4M3_CHUNKS · blockDim.x.
+#define SILU_E4M3_CHUNKS 4
+
+extern "C" __global__ void silu_mul_e4m3(const bf16* __restrict__ gate_up, unsigned char* __restrict__ q,
+                                         float* __restrict__ q_scales, u32 ffn) {
+    __shared__ float scratch[32];
+    pdl_begin();
+    u32 t = blockIdx.x, chunks = ffn / 8;
+    const uint4* row = (const uint4*)(gate_up + (u64)t * 2 * ffn);
+    uint4 held[SILU_E4M3_CHUNKS];
+    float largest = 0.f;
+#pragma unroll
+    for (int c = 0; c < SILU_E4M3_CHUNKS; ++c) {
+        u32 chunk = threadIdx.x + c * blockDim.x;
+        if (chunk >= chunks) continue;
+        float g[8], u[8], o[8];
+        unpack8(row[chunk], g);
+        unpack8(row[chunks + chunk], u);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[i] = silu_times(g[i], u[i]);
+        held[c] = pack8(o);
+        unpack8(held[c], o);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) largest = fmaxf(largest, fabsf(o[i]));
+    }
+    float scale = e4m3_row_scale(block_max(largest, scratch));
+    float inv = 1.f / scale;
+    if (threadIdx.x == 0) q_scales[t] = scale;
+    uint2* out = (uint2*)(q + (u64)t * ffn);
+#pragma unroll
+    for (int c = 0; c < SILU_E4M3_CHUNKS; ++c) {
+        u32 chunk = threadIdx.x + c * blockDim.x;
+        if (chunk >= chunks) continue;
+        float o[8];
+        unpack8(held[c], o);
+        out[chunk] = pack_e4m3x8(o, inv);
+    }
+}

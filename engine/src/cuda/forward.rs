@@ -14,7 +14,9 @@
 //!
 //! With FP8 weights the projections the gemv serves run on its FP8 entries (e4m3 weights, bf16
 //! inputs: the same fusions), and the others on cuBLASLt's FP8 product, their input quantized
-//! per token first (kernels/fp8.cu); the vocabulary projection stays bf16. There is no
+//! per token (kernels/fp8.cu): by the norm before them and by SiLU × up, which write FP8 rows
+//! directly, and by a pass of its own for the output projection's input; the vocabulary
+//! projection stays bf16. There is no
 //! tensor-core FP8 gemv, so `exact` does not apply to FP8 weights.
 //!
 //! The pass reads its metadata from fixed device buffers and takes only sizes as arguments, so
@@ -28,9 +30,9 @@ use super::collective::Collective;
 use super::device::{DPtr, Device, DeviceBuffer};
 use super::gemm::{Gemm, Linear};
 use super::kernels::{
-    AddRmsNorm, Attention, AttnShape, CLUSTER_ROW_POSITIONS, DecodeAttention, Embed,
+    AddRmsNorm, Attention, AttnShape, CLUSTER_ROW_POSITIONS, DecodeAttention, Embed, Fp8Rows,
     GEMV_MAX_TOKENS, GEMV_NORM_MAX_IN, GEMV_TC_CHUNK, GemvInput, GemvOutput, Kernels, MetaBuffers,
-    RopeKv, Splits,
+    RopeKv, SILU_E4M3_MAX_FFN, Splits,
 };
 use super::pool::KvPool;
 use super::weights::{GpuWeights, Matrix};
@@ -250,7 +252,13 @@ impl Forward<'_> {
             stream = self.attention_block(layer, tokens, mode, stream)?;
             stream = self.mlp_block(layer, tokens, stream)?;
         }
-        self.norm(tokens, stream, self.weights.norm(), self.meta.logit_rows)
+        self.norm(
+            tokens,
+            stream,
+            self.weights.norm(),
+            self.meta.logit_rows,
+            None,
+        )
     }
 
     /// Projects packed rows `first..first + rows` of `normed` into `logits` rows `0..rows`.
@@ -291,6 +299,7 @@ impl Forward<'_> {
         stream: Stream,
         weight: DPtr<bf16>,
         out_rows: DPtr<u32>,
+        e4m3: Option<Fp8Rows>,
     ) -> Result<()> {
         let delta = match stream {
             Stream::Current => DPtr::NULL,
@@ -302,6 +311,7 @@ impl Forward<'_> {
             weight,
             out: self.ws.normed,
             out_rows,
+            e4m3,
             tokens,
             hidden: self.config.hidden_size,
             eps: self.config.rms_norm_eps,
@@ -330,45 +340,72 @@ impl Forward<'_> {
         }
     }
 
-    /// The input of a projection of `shape` after an RMSNorm with `weight`: fused into the gemv
-    /// where it serves, the rows are short and the stream is up to date, else written to
-    /// `normed` first.
-    fn normed_input(&self, stream: Stream, weight: DPtr<bf16>, shape: Linear) -> Result<GemvInput> {
-        let fuse = self.gemv_serves(shape) && shape.in_features <= GEMV_NORM_MAX_IN;
-        if stream == Stream::Current && fuse {
-            return Ok(GemvInput::Normed {
+    /// The input of a projection of `shape` by `w` after an RMSNorm with `weight`: fused into
+    /// the gemv where it serves, the rows are short and the stream is up to date; else written
+    /// to `normed` first, or, for an FP8 product, to `x8` in FP8.
+    fn normed_input(
+        &self,
+        stream: Stream,
+        weight: DPtr<bf16>,
+        w: Matrix,
+        shape: Linear,
+    ) -> Result<Input> {
+        let served = self.gemv_serves(shape);
+        if stream == Stream::Current && served && shape.in_features <= GEMV_NORM_MAX_IN {
+            return Ok(Input::Bf16(GemvInput::Normed {
                 residual: self.ws.x,
                 weight,
                 eps: self.config.rms_norm_eps,
-            });
+            }));
         }
-        self.norm(shape.tokens, stream, weight, DPtr::NULL)?;
-        Ok(GemvInput::Rows(self.ws.normed))
+        if !served && matches!(w, Matrix::Fp8 { .. }) {
+            self.norm(shape.tokens, stream, weight, DPtr::NULL, Some(self.x8()))?;
+            return Ok(Input::Fp8);
+        }
+        self.norm(shape.tokens, stream, weight, DPtr::NULL, None)?;
+        Ok(Input::Bf16(GemvInput::Rows(self.ws.normed)))
+    }
+
+    /// The FP8 rows workspace.
+    fn x8(&self) -> Fp8Rows {
+        Fp8Rows {
+            values: self.ws.x8,
+            scales: self.ws.x8_scales,
+        }
     }
 
     /// `y = x · wᵀ` into bf16 rows.
-    fn project(&self, x: GemvInput, w: Matrix, y: DPtr<bf16>, shape: Linear) -> Result<()> {
+    fn project(&self, x: Input, w: Matrix, y: DPtr<bf16>, shape: Linear) -> Result<()> {
         match x {
-            GemvInput::Rows(x) if !self.gemv_serves(shape) => self.linear(x, w, y, shape),
-            x => self.gemv(x, w, GemvOutput::Rows(y), shape),
+            Input::Bf16(GemvInput::Rows(_)) | Input::Fp8 if !self.gemv_serves(shape) => {
+                self.linear(x, w, y, shape)
+            }
+            x => self.gemv(x.bf16(), w, GemvOutput::Rows(y), shape),
         }
     }
 
-    /// `y = x · wᵀ` through cuBLAS: bf16, or FP8 with `x` quantized per token first.
-    fn linear(&self, x: DPtr<bf16>, w: Matrix, y: DPtr<bf16>, shape: Linear) -> Result<()> {
-        match w {
-            Matrix::Bf16(w) => self.gemm.linear(x, w, y, shape),
-            Matrix::Fp8 { w, scales } => {
-                let (x8, x8_scales) = (self.ws.x8, self.ws.x8_scales);
+    /// `y = x · wᵀ` through cuBLAS: bf16, or FP8 with bf16 rows quantized per token first.
+    fn linear(&self, x: Input, w: Matrix, y: DPtr<bf16>, shape: Linear) -> Result<()> {
+        match (x, w) {
+            (Input::Bf16(GemvInput::Rows(x)), Matrix::Bf16(w)) => self.gemm.linear(x, w, y, shape),
+            (Input::Bf16(GemvInput::Rows(x)), Matrix::Fp8 { w, scales }) => {
+                let x8 = self.x8();
                 self.kernels.quantize_rows_e4m3(
                     x,
-                    x8,
-                    x8_scales,
+                    x8.values,
+                    x8.scales,
                     shape.tokens,
                     shape.in_features,
                 )?;
-                self.gemm.linear_fp8(x8, x8_scales, w, scales, y, shape)
+                self.gemm
+                    .linear_fp8(x8.values, x8.scales, w, scales, y, shape)
             }
+            (Input::Fp8, Matrix::Fp8 { w, scales }) => {
+                let x8 = self.x8();
+                self.gemm
+                    .linear_fp8(x8.values, x8.scales, w, scales, y, shape)
+            }
+            (x, w) => unreachable!("no product of {x:?} by {w:?}"),
         }
     }
 
@@ -376,11 +413,11 @@ impl Forward<'_> {
     /// serves, else left in `proj` for the next norm to add.
     /// On a rank of a split model the projection is a partial sum over this rank's heads or
     /// columns: it goes to `proj`, and the all-reduce adds every rank's into the stream.
-    fn project_out(&self, x: DPtr<bf16>, w: Matrix, shape: Linear) -> Result<Stream> {
+    fn project_out(&self, x: Input, w: Matrix, shape: Linear) -> Result<Stream> {
         if let Some(tp) = &self.tp {
             if self.gemv_serves(shape) {
                 let out = GemvOutput::Rows(self.ws.proj);
-                self.gemv(GemvInput::Rows(x), w, out, shape)?;
+                self.gemv(x.bf16(), w, out, shape)?;
             } else {
                 self.linear(x, w, self.ws.proj, shape)?;
             }
@@ -391,7 +428,7 @@ impl Forward<'_> {
         }
         if self.gemv_serves(shape) {
             let out = GemvOutput::Accumulate(self.ws.x);
-            self.gemv(GemvInput::Rows(x), w, out, shape)?;
+            self.gemv(x.bf16(), w, out, shape)?;
             return Ok(Stream::Current);
         }
         self.linear(x, w, self.ws.proj, shape)?;
@@ -422,7 +459,7 @@ impl Forward<'_> {
             in_features: c.hidden_size,
             out_features: shape.qkv_width(),
         };
-        let input = self.normed_input(stream, w.attn_norm, qkv)?;
+        let input = self.normed_input(stream, w.attn_norm, w.wqkv, qkv)?;
         self.project(input, w.wqkv, self.ws.wide, qkv)?;
         let (k_cache, v_cache) = (self.pool.cache(layer, false), self.pool.cache(layer, true));
         // Every token's k and v into the cache (and, for prefill attention, its q rotated).
@@ -503,7 +540,7 @@ impl Forward<'_> {
             in_features: c.q_dim(),
             out_features: c.hidden_size,
         };
-        self.project_out(self.ws.narrow, w.wo, out)
+        self.project_out(Input::Bf16(GemvInput::Rows(self.ws.narrow)), w.wo, out)
     }
 
     fn mlp_block(&self, layer: usize, tokens: usize, stream: Stream) -> Result<Stream> {
@@ -514,21 +551,49 @@ impl Forward<'_> {
             in_features: h,
             out_features: 2 * f,
         };
-        let input = self.normed_input(stream, w.ffn_norm, gate_up)?;
-        if self.gemv_serves(gate_up) {
-            let out = GemvOutput::Glu(self.ws.narrow);
-            self.gemv(input, w.w_gate_up, out, gate_up)?;
-        } else {
-            self.project(input, w.w_gate_up, self.ws.wide, gate_up)?;
-            self.kernels
-                .silu_mul(self.ws.wide, self.ws.narrow, tokens, f)?;
-        }
+        let input = self.normed_input(stream, w.ffn_norm, w.w_gate_up, gate_up)?;
         let down = Linear {
             tokens,
             in_features: f,
             out_features: h,
         };
-        self.project_out(self.ws.narrow, w.w_down, down)
+        let activated = if self.gemv_serves(gate_up) {
+            let out = GemvOutput::Glu(self.ws.narrow);
+            self.gemv(input.bf16(), w.w_gate_up, out, gate_up)?;
+            Input::Bf16(GemvInput::Rows(self.ws.narrow))
+        } else {
+            self.project(input, w.w_gate_up, self.ws.wide, gate_up)?;
+            let fp8_down = matches!(w.w_down, Matrix::Fp8 { .. }) && !self.gemv_serves(down);
+            if fp8_down && f % 8 == 0 && f <= SILU_E4M3_MAX_FFN {
+                self.kernels
+                    .silu_mul_e4m3(self.ws.wide, self.x8(), tokens, f)?;
+                Input::Fp8
+            } else {
+                self.kernels
+                    .silu_mul(self.ws.wide, self.ws.narrow, tokens, f)?;
+                Input::Bf16(GemvInput::Rows(self.ws.narrow))
+            }
+        };
+        self.project_out(activated, w.w_down, down)
+    }
+}
+
+/// A projection's input as the pass holds it.
+#[derive(Debug, Clone, Copy)]
+enum Input {
+    /// bf16 rows, or the norm the gemv computes on the fly.
+    Bf16(GemvInput),
+    /// FP8 rows in `x8`, for cuBLASLt's FP8 product.
+    Fp8,
+}
+
+impl Input {
+    /// The input for a gemv, which reads bf16: FP8 rows are made only for cuBLASLt's products.
+    fn bf16(self) -> GemvInput {
+        match self {
+            Input::Bf16(x) => x,
+            Input::Fp8 => unreachable!("FP8 rows only for a projection cuBLASLt computes"),
+        }
     }
 }
 

@@ -189,6 +189,7 @@ fn add_rms_norm_adds_normalizes_and_packs_rows() {
             weight: w_d.ptr(),
             out: out.ptr(),
             out_rows: rows_d.ptr(),
+            e4m3: None,
             tokens,
             hidden,
             eps,
@@ -478,6 +479,111 @@ fn quantize_rows_e4m3_matches_the_reference_bit_for_bit() {
                 );
             }
         }
+    }
+}
+
+/// The FP8 rows and scales a kernel wrote: `(values, scales)`.
+fn fp8_download(
+    g: &Gpu,
+    q: &DeviceBuffer,
+    scales: &DeviceBuffer,
+    rows: usize,
+    cols: usize,
+) -> (Vec<u8>, Vec<f32>) {
+    (
+        g.download::<u8>(q.ptr(), rows * cols),
+        g.download::<f32>(scales.ptr(), rows),
+    )
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn norm_and_silu_write_fp8_rows_as_the_separate_pass_would() {
+    let g = gpu(64);
+    let mut r = rng(12);
+    // add_rms_norm: SmolLM2's and Llama's widths, one with fewer chunks than threads a block.
+    for (tokens, hidden) in [(3, 576), (5, 4096), (2, 8192), (1, 64)] {
+        let x = uniform(&mut r, tokens * hidden, 3.0);
+        let delta = round_bf16(&uniform(&mut r, tokens * hidden, 1.0));
+        let weight = round_bf16(&uniform(&mut r, hidden, 1.5));
+        let (w_d, delta_d) = (g.upload_bf16(&weight), g.upload_bf16(&delta));
+        let norm = |e4m3, out: &DeviceBuffer| {
+            let x_d = g.upload(&x);
+            g.kernels
+                .add_rms_norm(&AddRmsNorm {
+                    residual: x_d.ptr(),
+                    delta: delta_d.ptr(),
+                    weight: w_d.ptr(),
+                    out: out.ptr(),
+                    out_rows: DPtr::NULL,
+                    e4m3,
+                    tokens,
+                    hidden,
+                    eps: 1e-5,
+                })
+                .unwrap();
+            g.download::<f32>(x_d.ptr(), tokens * hidden)
+        };
+        let normed = g.poisoned(tokens * hidden * 2);
+        let plain_residual = norm(None, &normed);
+        let (want_q, want_s) = (g.poisoned(tokens * hidden), g.poisoned(tokens * 4));
+        g.kernels
+            .quantize_rows_e4m3(normed.ptr(), want_q.ptr(), want_s.ptr(), tokens, hidden)
+            .unwrap();
+        let untouched = g.poisoned(tokens * hidden * 2);
+        let (q, s) = (g.poisoned(tokens * hidden), g.poisoned(tokens * 4));
+        let rows = Fp8Rows {
+            values: q.ptr(),
+            scales: s.ptr(),
+        };
+        let fused_residual = norm(Some(rows), &untouched);
+        assert_eq!(
+            fused_residual, plain_residual,
+            "{tokens} x {hidden}: the residual add"
+        );
+        assert_eq!(
+            fp8_download(&g, &q, &s, tokens, hidden),
+            fp8_download(&g, &want_q, &want_s, tokens, hidden),
+            "add_rms_norm {tokens} x {hidden} into FP8"
+        );
+        assert!(
+            g.download_bf16(untouched.ptr(), tokens * hidden)
+                .iter()
+                .all(|v| v.is_nan()),
+            "add_rms_norm into FP8 wrote bf16 rows too"
+        );
+    }
+    // silu_mul: SmolLM2's, Llama-3.1-8B's and the widest a block holds.
+    for (tokens, ffn) in [(7, 1536), (3, 14336), (1, SILU_E4M3_MAX_FFN)] {
+        let gate_up = round_bf16(&uniform(&mut r, tokens * 2 * ffn, 6.0));
+        let input = g.upload_bf16(&gate_up);
+        let out = g.poisoned(tokens * ffn * 2);
+        g.kernels
+            .silu_mul(input.ptr(), out.ptr(), tokens, ffn)
+            .unwrap();
+        let (want_q, want_s) = (g.poisoned(tokens * ffn), g.poisoned(tokens * 4));
+        g.kernels
+            .quantize_rows_e4m3(out.ptr(), want_q.ptr(), want_s.ptr(), tokens, ffn)
+            .unwrap();
+        // One byte a row past the end stays poisoned.
+        let (q, s) = (g.poisoned(tokens * ffn + 1), g.poisoned(tokens * 4));
+        let rows = Fp8Rows {
+            values: q.ptr(),
+            scales: s.ptr(),
+        };
+        g.kernels
+            .silu_mul_e4m3(input.ptr(), rows, tokens, ffn)
+            .unwrap();
+        assert_eq!(
+            fp8_download(&g, &q, &s, tokens, ffn),
+            fp8_download(&g, &want_q, &want_s, tokens, ffn),
+            "silu_mul_e4m3 {tokens} x {ffn}"
+        );
+        let past = g.download::<u8>(q.ptr(), tokens * ffn + 1)[tokens * ffn];
+        assert_eq!(
+            past, 0xFF,
+            "silu_mul_e4m3 {tokens} x {ffn} wrote past its rows"
+        );
     }
 }
 

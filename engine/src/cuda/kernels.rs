@@ -260,6 +260,7 @@ pub struct Kernels {
     embed_tokens: CudaFunction,
     add_rms_norm: CudaFunction,
     silu_mul: CudaFunction,
+    silu_mul_e4m3: CudaFunction,
     /// By [`GEMV_KERNELS`], then for at most 1, 2, 4 and 8 tokens.
     gemv: Vec<[CudaFunction; 4]>,
     /// The same with FP8 weights (`w8_` entries).
@@ -312,6 +313,7 @@ impl Kernels {
             embed_tokens: f("embed_tokens")?,
             add_rms_norm: f("add_rms_norm")?,
             silu_mul: f("silu_mul")?,
+            silu_mul_e4m3: f("silu_mul_e4m3")?,
             gemv: gemv_entries("")?,
             gemv_w8: gemv_entries("w8_")?,
             gemv_tc: GEMV_KERNELS
@@ -379,6 +381,8 @@ impl Kernels {
             .ptr(a.weight)
             .ptr(a.out)
             .ptr(a.out_rows)
+            .ptr(a.e4m3.map_or(DPtr::NULL, |rows| rows.values))
+            .ptr(a.e4m3.map_or(DPtr::NULL, |rows| rows.scales))
             .u32(a.hidden as u32)
             .f32(a.eps);
         // A thread per chunk of 8 elements, up to NORM_CHUNKS chunks each past 1024 threads.
@@ -406,6 +410,33 @@ impl Kernels {
         let blocks = self.elementwise_blocks(tokens * ffn / per_thread);
         self.device
             .launch(&self.silu_mul, (blocks, 1, 1), THREADS, &args)
+    }
+
+    /// [`Kernels::silu_mul`] into FP8 rows: each row rounded to bf16 as `silu_mul` writes it,
+    /// then quantized as [`Kernels::quantize_rows_e4m3`] would quantize it, in one pass. `ffn`
+    /// a multiple of 8 and at most [`SILU_E4M3_MAX_FFN`]. Needs sm_89 or newer.
+    pub fn silu_mul_e4m3(
+        &self,
+        gate_up: DPtr<bf16>,
+        out: Fp8Rows,
+        tokens: usize,
+        ffn: usize,
+    ) -> Result<()> {
+        assert!(
+            ffn.is_multiple_of(8) && ffn <= SILU_E4M3_MAX_FFN,
+            "silu_mul_e4m3 takes rows of a multiple of 8 up to {SILU_E4M3_MAX_FFN}, not {ffn}"
+        );
+        if tokens == 0 {
+            return Ok(());
+        }
+        let args = Args::new()
+            .ptr(gate_up)
+            .ptr(out.values)
+            .ptr(out.scales)
+            .u32(ffn as u32);
+        let threads = row_threads(ffn / 8);
+        self.device
+            .launch(&self.silu_mul_e4m3, (tokens as u32, 1, 1), threads, &args)
     }
 
     /// `y = x · wᵀ` for at most [`GEMV_MAX_TOKENS`] tokens (bf16 `[tokens, in]` by
@@ -949,13 +980,28 @@ pub enum GemvOutput {
     Accumulate(DPtr<f32>),
 }
 
-/// Arguments of [`Kernels::add_rms_norm`]; `delta` and `out_rows` may be [`DPtr::NULL`].
+/// Rows in FP8 for an FP8 product: `values` e4m3 `[rows, cols]`, `scales` one f32 a row, as
+/// [`Kernels::quantize_rows_e4m3`] writes them.
+#[derive(Debug, Clone, Copy)]
+pub struct Fp8Rows {
+    pub values: DPtr<u8>,
+    pub scales: DPtr<f32>,
+}
+
+/// The widest row [`Kernels::silu_mul_e4m3`] holds (`SILU_E4M3_CHUNKS` chunks of 8 a thread,
+/// 1,024 threads).
+pub const SILU_E4M3_MAX_FFN: usize = 4 * 8 * 1024;
+
+/// Arguments of [`Kernels::add_rms_norm`]; `delta` and `out_rows` may be [`DPtr::NULL`]. With
+/// `e4m3`, the normalized rows go there in FP8 (as [`Kernels::quantize_rows_e4m3`] would
+/// quantize what `out` would hold) and `out` is not written.
 pub struct AddRmsNorm {
     pub residual: DPtr<f32>,
     pub delta: DPtr<bf16>,
     pub weight: DPtr<bf16>,
     pub out: DPtr<bf16>,
     pub out_rows: DPtr<u32>,
+    pub e4m3: Option<Fp8Rows>,
     pub tokens: usize,
     pub hidden: usize,
     pub eps: f32,
@@ -1145,7 +1191,13 @@ mod tests {
     fn the_program_compiles_for_sm_90_without_a_gpu() {
         let ptx = compile("sm_90").expect("the kernels compile");
         let text = ptx.to_src();
-        for kernel in ["quantize_rows_e4m3", "silu_mul", "decode_attention"] {
+        for kernel in [
+            "quantize_rows_e4m3",
+            "silu_mul",
+            "silu_mul_e4m3",
+            "add_rms_norm",
+            "decode_attention",
+        ] {
             assert!(
                 text.contains(&format!(".entry {kernel}")),
                 "{kernel} missing"
