@@ -217,6 +217,30 @@ __device__ __forceinline__ uint2 pack_e4m3x8(const float* v, float inv) {
     return make_uint2(w0, w1);
 }
 
+// A row the block holds in registers, CHUNKS chunks of 8 a thread (chunk `threadIdx.x + c ·
+// blockDim.x` of `chunks`), its values already rounded to bf16, stored in FP8: the row's scale
+// into `*scale`, its e4m3 bytes into `q`, as quantize_rows_e4m3 (fp8.cu) stores a bf16 row.
+// Every thread of the block calls it.
+template <int CHUNKS>
+__device__ __forceinline__ void store_row_e4m3(const float (&v)[CHUNKS][8], u32 chunks,
+                                               unsigned char* q, float* scale, float* scratch) {
+    float largest = 0.f;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        if (threadIdx.x + c * blockDim.x >= chunks) continue;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) largest = fmaxf(largest, fabsf(v[c][i]));
+    }
+    float row_scale = e4m3_row_scale(block_max(largest, scratch));
+    float inv = 1.f / row_scale;
+    if (threadIdx.x == 0) *scale = row_scale;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        u32 chunk = threadIdx.x + c * blockDim.x;
+        if (chunk < chunks) ((uint2*)q)[chunk] = pack_e4m3x8(v[c], inv);
+    }
+}
+
 // 2^x with the multi-function unit's own instruction, subnormal results flushed to zero (what
 // exp2f costs beyond it is handling those: softmax weights that small round to nothing in bf16
 // and in an f32 sum anyway). exp2(-inf) is 0.

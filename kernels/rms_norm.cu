@@ -52,32 +52,8 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ residual,
     u32 row = out_rows ? out_rows[t] : t;
     if (row == NO_ROW) return;
     float scale = rsqrtf(square_sum / (float)hidden + eps);
-    if (q) {
-        // The bf16 row into the registers that held the inputs, then its largest magnitude.
-        float largest = 0.f;
-#pragma unroll
-        for (int c = 0; c < NORM_CHUNKS; ++c) {
-            u32 chunk = threadIdx.x + c * blockDim.x;
-            if (chunk >= chunks) continue;
-            float w[8];
-            unpack8(w_bits[c], w);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                v[c][i] = bf16_to_f32(f32_to_bf16((v[c][i] * scale) * w[i]));
-                largest = fmaxf(largest, fabsf(v[c][i]));
-            }
-        }
-        float row_scale = e4m3_row_scale(block_max(largest, scratch));
-        float inv = 1.f / row_scale;
-        if (threadIdx.x == 0) q_scales[row] = row_scale;
-        uint2* y8 = (uint2*)(q + (u64)row * hidden);
-#pragma unroll
-        for (int c = 0; c < NORM_CHUNKS; ++c) {
-            u32 chunk = threadIdx.x + c * blockDim.x;
-            if (chunk < chunks) y8[chunk] = pack_e4m3x8(v[c], inv);
-        }
-        return;
-    }
+    // The row in bf16 into `out`, or, for an FP8 product, rounded to bf16 in the registers that
+    // held the inputs and then stored in FP8.
     uint4* y = (uint4*)(out + (u64)row * hidden);
 #pragma unroll
     for (int c = 0; c < NORM_CHUNKS; ++c) {
@@ -85,10 +61,14 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ residual,
         if (chunk >= chunks) continue;
         float w[8];
         unpack8(w_bits[c], w);
-        float o[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) o[i] = (v[c][i] * scale) * w[i];
-        y[chunk] = make_uint4(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]),
-                              pack_bf16x2(o[4], o[5]), pack_bf16x2(o[6], o[7]));
+        for (int i = 0; i < 8; ++i) v[c][i] = (v[c][i] * scale) * w[i];
+        if (!q) {
+            y[chunk] = pack8(v[c]);
+            continue;
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[c][i] = bf16_to_f32(f32_to_bf16(v[c][i]));
     }
+    if (q) store_row_e4m3<NORM_CHUNKS>(v, chunks, q + (u64)row * hidden, q_scales + row, scratch);
 }

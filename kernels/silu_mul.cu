@@ -45,32 +45,16 @@ extern "C" __global__ void silu_mul_e4m3(const bf16* __restrict__ gate_up, unsig
     pdl_begin();
     u32 t = blockIdx.x, chunks = ffn / 8;
     const uint4* row = (const uint4*)(gate_up + (u64)t * 2 * ffn);
-    uint4 held[SILU_E4M3_CHUNKS];
-    float largest = 0.f;
+    float v[SILU_E4M3_CHUNKS][8];
 #pragma unroll
     for (int c = 0; c < SILU_E4M3_CHUNKS; ++c) {
         u32 chunk = threadIdx.x + c * blockDim.x;
         if (chunk >= chunks) continue;
-        float g[8], u[8], o[8];
+        float g[8], u[8];
         unpack8(row[chunk], g);
         unpack8(row[chunks + chunk], u);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) o[i] = silu_times(g[i], u[i]);
-        held[c] = pack8(o);
-        unpack8(held[c], o);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) largest = fmaxf(largest, fabsf(o[i]));
+        for (int i = 0; i < 8; ++i) v[c][i] = bf16_to_f32(f32_to_bf16(silu_times(g[i], u[i])));
     }
-    float scale = e4m3_row_scale(block_max(largest, scratch));
-    float inv = 1.f / scale;
-    if (threadIdx.x == 0) q_scales[t] = scale;
-    uint2* out = (uint2*)(q + (u64)t * ffn);
-#pragma unroll
-    for (int c = 0; c < SILU_E4M3_CHUNKS; ++c) {
-        u32 chunk = threadIdx.x + c * blockDim.x;
-        if (chunk >= chunks) continue;
-        float o[8];
-        unpack8(held[c], o);
-        out[chunk] = pack_e4m3x8(o, inv);
-    }
+    store_row_e4m3<SILU_E4M3_CHUNKS>(v, chunks, q + (u64)t * ffn, q_scales + t, scratch);
 }
