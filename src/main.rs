@@ -570,7 +570,10 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
         dir.file_name()
             .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
     });
-    let quantization = policies.engine.quantization;
+    let (quantization, tensor_parallel) = (
+        policies.engine.quantization,
+        policies.engine.tensor_parallel,
+    );
     let config = ServeConfig {
         policies,
         model_id: model_identity(
@@ -609,6 +612,7 @@ fn serve(cache_dir: &Path, mut args: ServeArgs) -> Result<()> {
         let prometheus = actors::metrics::install()
             .map_err(|e| tracing::warn!("metrics are disabled: {e}"))
             .ok();
+        actors::metrics::engine_info(info.name, quantization, tensor_parallel);
         let state = ApiState {
             handles: handles.clone(),
             model: Arc::new(model),

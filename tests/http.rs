@@ -98,6 +98,10 @@ fn completions_whole_and_streamed_match_a_solo_run_and_reuse_snapshots() {
     assert_eq!(value("snapserve_snapshot_hits_total"), 1.0);
     assert_eq!(value("snapserve_prefix_reused_tokens_total"), cached as f64);
     assert_eq!(value("snapserve_time_to_first_token_seconds_count"), 4.0);
+    assert_eq!(
+        value("snapserve_engine_info{backend=\"cpu\",quantization=\"none\",tensor_parallel=\"1\"}"),
+        1.0
+    );
     assert_eq!(value("snapserve_queue_requests"), 0.0);
     assert!(value("snapserve_step_duration_seconds_count") > 0.0);
     assert!(value("snapserve_prompt_tokens_total") > 100.0);

@@ -200,6 +200,12 @@ fn describe() {
             "Snapshots held in each tier.",
         ),
         (
+            "snapserve_engine_info",
+            Unit::Count,
+            "Always 1; its labels say what the engine runs: backend (cpu, cuda), quantization \
+             (none, fp8) and tensor_parallel (GPUs a model is split over).",
+        ),
+        (
             "snapserve_memory_bytes",
             Unit::Bytes,
             "Memory the engine holds, by kind (weights, kv_pool, device_snapshots, host_snapshots).",
@@ -234,6 +240,22 @@ fn describe() {
     for (name, help) in histograms {
         describe_histogram!(name, Unit::Seconds, help);
     }
+}
+
+/// The engine's identity, as labels of a gauge that is always 1: what a dashboard needs to
+/// tell apart servers of one model that compute differently (FP8 weights, a split model).
+pub fn engine_info(backend: &str, quantization: policy::Quantization, tensor_parallel: usize) {
+    let quantization = match quantization {
+        policy::Quantization::None => "none",
+        policy::Quantization::Fp8 => "fp8",
+    };
+    gauge!(
+        "snapserve_engine_info",
+        "backend" => backend.to_owned(),
+        "quantization" => quantization,
+        "tensor_parallel" => tensor_parallel.to_string()
+    )
+    .set(1.0);
 }
 
 /// Sets the gauges and counters that mirror the actors' state, then renders everything.
