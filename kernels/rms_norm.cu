@@ -15,7 +15,7 @@
 // With `q` not null the row goes out in FP8 instead, for an FP8 product: each element rounded to
 // bf16 as `out` would hold it, then quantized with the row's scale into `q` and `q_scales`
 // exactly as `quantize_rows_e4m3` would quantize `out` (fp8.cu), one pass instead of three.
-extern "C" __global__ void add_rms_norm(float* __restrict__ residual,
+extern "C" __global__ void __launch_bounds__(1024) add_rms_norm(float* __restrict__ residual,
                                         const bf16* __restrict__ delta,
                                         const bf16* __restrict__ weight,
                                         bf16* __restrict__ out,

@@ -39,7 +39,7 @@ extern "C" __global__ void silu_mul(const bf16* __restrict__ gate_up, bf16* __re
 // 8 · SILU_E4M3_CHUNKS · blockDim.x.
 #define SILU_E4M3_CHUNKS 4
 
-extern "C" __global__ void silu_mul_e4m3(const bf16* __restrict__ gate_up, unsigned char* __restrict__ q,
+extern "C" __global__ void __launch_bounds__(1024) silu_mul_e4m3(const bf16* __restrict__ gate_up, unsigned char* __restrict__ q,
                                          float* __restrict__ q_scales, u32 ffn) {
     __shared__ float scratch[32];
     pdl_begin();
