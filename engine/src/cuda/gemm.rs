@@ -211,7 +211,7 @@ impl LtProduct {
         }
         Err(EngineError::Quantization(format!(
             "cuBLASLt has no FP8 product of {} tokens by [{} x {}] with a scale per row and \
-             per token ({}): FP8 weights need sm_90 and cuBLAS 12.9 or newer",
+             per token ({}): cuBLAS 13.0 on Hopper takes none (README: FP8 weights)",
             s.tokens,
             s.out_features,
             s.in_features,
