@@ -388,17 +388,10 @@ impl Forward<'_> {
     fn linear(&self, x: Input, w: Matrix, y: DPtr<bf16>, shape: Linear) -> Result<()> {
         match (x, w) {
             (Input::Bf16(GemvInput::Rows(x)), Matrix::Bf16(w)) => self.gemm.linear(x, w, y, shape),
-            (Input::Bf16(GemvInput::Rows(x)), Matrix::Fp8 { w, scales }) => {
-                let x8 = self.x8();
-                self.kernels.quantize_rows_e4m3(
-                    x,
-                    x8.values,
-                    x8.scales,
-                    shape.tokens,
-                    shape.in_features,
-                )?;
-                self.gemm
-                    .linear_fp8(x8.values, x8.scales, w, scales, y, shape)
+            (Input::Bf16(GemvInput::Rows(x)), w @ Matrix::Fp8 { .. }) => {
+                self.kernels
+                    .quantize_rows_e4m3(x, self.x8(), shape.tokens, shape.in_features)?;
+                self.linear(Input::Fp8, w, y, shape)
             }
             (Input::Fp8, Matrix::Fp8 { w, scales }) => {
                 let x8 = self.x8();
@@ -564,7 +557,8 @@ impl Forward<'_> {
         } else {
             self.project(input, w.w_gate_up, self.ws.wide, gate_up)?;
             let fp8_down = matches!(w.w_down, Matrix::Fp8 { .. }) && !self.gemv_serves(down);
-            if fp8_down && f % 8 == 0 && f <= SILU_E4M3_MAX_FFN {
+            // FP8 weights' rows are a multiple of 16 long (`check_fp8`), as the kernel needs.
+            if fp8_down && f <= SILU_E4M3_MAX_FFN {
                 self.kernels
                     .silu_mul_e4m3(self.ws.wide, self.x8(), tokens, f)?;
                 Input::Fp8

@@ -457,7 +457,7 @@ fn quantize_rows_e4m3_matches_the_reference_bit_for_bit() {
         let x_d = g.upload_bf16(&x);
         let (q_d, s_d) = (g.poisoned(rows * cols), g.poisoned(rows * 4));
         g.kernels
-            .quantize_rows_e4m3(x_d.ptr(), q_d.ptr(), s_d.ptr(), rows, cols)
+            .quantize_rows_e4m3(x_d.ptr(), e4m3_rows(&q_d, &s_d), rows, cols)
             .unwrap();
         let (q, scales) = (
             g.download::<u8>(q_d.ptr(), rows * cols),
@@ -479,6 +479,14 @@ fn quantize_rows_e4m3_matches_the_reference_bit_for_bit() {
                 );
             }
         }
+    }
+}
+
+/// FP8 rows whose values are in `q` and scales in `scales`.
+fn e4m3_rows(q: &DeviceBuffer, scales: &DeviceBuffer) -> Fp8Rows {
+    Fp8Rows {
+        values: q.ptr(),
+        scales: scales.ptr(),
     }
 }
 
@@ -528,15 +536,11 @@ fn norm_and_silu_write_fp8_rows_as_the_separate_pass_would() {
         let plain_residual = norm(None, &normed);
         let (want_q, want_s) = (g.poisoned(tokens * hidden), g.poisoned(tokens * 4));
         g.kernels
-            .quantize_rows_e4m3(normed.ptr(), want_q.ptr(), want_s.ptr(), tokens, hidden)
+            .quantize_rows_e4m3(normed.ptr(), e4m3_rows(&want_q, &want_s), tokens, hidden)
             .unwrap();
         let untouched = g.poisoned(tokens * hidden * 2);
         let (q, s) = (g.poisoned(tokens * hidden), g.poisoned(tokens * 4));
-        let rows = Fp8Rows {
-            values: q.ptr(),
-            scales: s.ptr(),
-        };
-        let fused_residual = norm(Some(rows), &untouched);
+        let fused_residual = norm(Some(e4m3_rows(&q, &s)), &untouched);
         assert_eq!(
             fused_residual, plain_residual,
             "{tokens} x {hidden}: the residual add"
@@ -563,16 +567,12 @@ fn norm_and_silu_write_fp8_rows_as_the_separate_pass_would() {
             .unwrap();
         let (want_q, want_s) = (g.poisoned(tokens * ffn), g.poisoned(tokens * 4));
         g.kernels
-            .quantize_rows_e4m3(out.ptr(), want_q.ptr(), want_s.ptr(), tokens, ffn)
+            .quantize_rows_e4m3(out.ptr(), e4m3_rows(&want_q, &want_s), tokens, ffn)
             .unwrap();
         // One byte a row past the end stays poisoned.
         let (q, s) = (g.poisoned(tokens * ffn + 1), g.poisoned(tokens * 4));
-        let rows = Fp8Rows {
-            values: q.ptr(),
-            scales: s.ptr(),
-        };
         g.kernels
-            .silu_mul_e4m3(input.ptr(), rows, tokens, ffn)
+            .silu_mul_e4m3(input.ptr(), e4m3_rows(&q, &s), tokens, ffn)
             .unwrap();
         assert_eq!(
             fp8_download(&g, &q, &s, tokens, ffn),
@@ -606,10 +606,10 @@ fn fp8_products_match_the_dequantized_reference() {
         let (x8, xs) = (g.poisoned(tokens * inf), g.poisoned(tokens * 4));
         let (w8, ws) = (g.poisoned(outf * inf), g.poisoned(outf * 4));
         g.kernels
-            .quantize_rows_e4m3(x_d.ptr(), x8.ptr(), xs.ptr(), tokens, inf)
+            .quantize_rows_e4m3(x_d.ptr(), e4m3_rows(&x8, &xs), tokens, inf)
             .unwrap();
         g.kernels
-            .quantize_rows_e4m3(w_d.ptr(), w8.ptr(), ws.ptr(), outf, inf)
+            .quantize_rows_e4m3(w_d.ptr(), e4m3_rows(&w8, &ws), outf, inf)
             .unwrap();
         let shape = Linear {
             tokens,
@@ -744,7 +744,7 @@ fn gemv_fp8_matches_the_reference_with_every_fusion() {
         let (w_d, x_d) = (g.upload_bf16(&w), g.upload_bf16(&x));
         let (w8, scales) = (g.poisoned(outf * inf), g.poisoned(outf * 4));
         g.kernels
-            .quantize_rows_e4m3(w_d.ptr(), w8.ptr(), scales.ptr(), outf, inf)
+            .quantize_rows_e4m3(w_d.ptr(), e4m3_rows(&w8, &scales), outf, inf)
             .unwrap();
         let held: Vec<f32> = w
             .chunks(inf)

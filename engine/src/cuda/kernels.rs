@@ -865,13 +865,12 @@ impl Kernels {
             .launch(&self.tp_gather_logits, (TP_BLOCKS, 1, 1), TP_THREADS, &args)
     }
 
-    /// Quantizes `rows` bf16 rows of `cols` elements (a multiple of 8) to e4m3 in `q`, one
-    /// scale a row in `scales` (kernels/fp8.cu). Needs sm_89 or newer.
+    /// Quantizes `rows` bf16 rows of `cols` elements (a multiple of 8) into FP8 rows `out`
+    /// (kernels/fp8.cu). Needs sm_89 or newer.
     pub fn quantize_rows_e4m3(
         &self,
         x: DPtr<bf16>,
-        q: DPtr<u8>,
-        scales: DPtr<f32>,
+        out: Fp8Rows,
         rows: usize,
         cols: usize,
     ) -> Result<()> {
@@ -882,7 +881,11 @@ impl Kernels {
         if rows == 0 {
             return Ok(());
         }
-        let args = Args::new().ptr(x).ptr(q).ptr(scales).u32(cols as u32);
+        let args = Args::new()
+            .ptr(x)
+            .ptr(out.values)
+            .ptr(out.scales)
+            .u32(cols as u32);
         self.device.launch(
             &self.quantize_rows_e4m3,
             (rows as u32, 1, 1),
@@ -980,8 +983,8 @@ pub enum GemvOutput {
     Accumulate(DPtr<f32>),
 }
 
-/// Rows in FP8 for an FP8 product: `values` e4m3 `[rows, cols]`, `scales` one f32 a row, as
-/// [`Kernels::quantize_rows_e4m3`] writes them.
+/// Rows in FP8: `values` e4m3 `[rows, cols]`, `scales` one f32 a row (row `r` is
+/// `values[r] · scales[r]`), as [`Kernels::quantize_rows_e4m3`] writes them.
 #[derive(Debug, Clone, Copy)]
 pub struct Fp8Rows {
     pub values: DPtr<u8>,

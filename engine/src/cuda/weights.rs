@@ -19,7 +19,7 @@ use std::sync::Arc;
 use half::bf16;
 
 use super::device::{DPtr, Device, DeviceBuffer};
-use super::kernels::{Kernels, Window};
+use super::kernels::{Fp8Rows, Kernels, Window};
 use crate::dtype::DType;
 use crate::error::{EngineError, Result};
 use crate::model::{ModelConfig, Shard, Weights};
@@ -354,13 +354,11 @@ impl GpuWeights {
             return Ok(());
         };
         let base = self.memory.ptr::<u8>();
-        kernels.quantize_rows_e4m3(
-            staging.ptr(),
-            base.offset(slot.offset_bytes),
-            base.offset(scales).cast(),
-            slot.rows(),
-            slot.cols,
-        )
+        let out = Fp8Rows {
+            values: base.offset(slot.offset_bytes),
+            scales: base.offset(scales).cast(),
+        };
+        kernels.quantize_rows_e4m3(staging.ptr(), out, slot.rows(), slot.cols)
     }
 
     /// Allocates rank `shard`'s weights and draws them on the device from `seed`: each value
