@@ -170,7 +170,15 @@ impl LtProduct {
     /// row's and its token's scales (cuBLASLt's outer-vector scaling, cuBLAS 12.9 and newer on
     /// sm_90), with cuBLASLt's first choice of algorithm; fast accumulation (as inference
     /// engines run FP8 products) unless no algorithm takes it with these scales.
-    fn fp8(handle: lt_sys::cublasLtHandle_t, s: Linear) -> Result<Self> {
+    ///
+    /// The scale vectors' addresses are set before the first query: a vector scale mode has
+    /// no default (a scalar mode's null pointer means 1), and cuBLASLt answers
+    /// `CUBLAS_STATUS_INVALID_VALUE` to a heuristic query without them.
+    fn fp8(
+        handle: lt_sys::cublasLtHandle_t,
+        s: Linear,
+        (w_scales, x_scales): (DPtr<f32>, DPtr<f32>),
+    ) -> Result<Self> {
         let e4m3 = lt_sys::cudaDataType::CUDA_R_8F_E4M3;
         let mut product = LtProduct::new(s, e4m3, lt_sys::cudaDataType::CUDA_R_16BF)?;
         use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
@@ -189,6 +197,7 @@ impl LtProduct {
                 &outer,
             )?;
         }
+        product.set_scales(w_scales, x_scales)?;
         let mut refusals = Vec::new();
         for fast in [1i8, 0] {
             // SAFETY: FAST_ACCUM is an i8.
@@ -211,12 +220,34 @@ impl LtProduct {
         }
         Err(EngineError::Quantization(format!(
             "cuBLASLt has no FP8 product of {} tokens by [{} x {}] with a scale per row and \
-             per token ({}): cuBLAS 13.0 on Hopper takes none (README: FP8 weights)",
+             per token ({}) (README: FP8 weights)",
             s.tokens,
             s.out_features,
             s.in_features,
             refusals.join("; ")
         )))
+    }
+}
+
+impl LtProduct {
+    /// Points an FP8 product at its weight rows' scales (cuBLASLt's A) and its tokens' (B).
+    fn set_scales(&self, w_scales: DPtr<f32>, x_scales: DPtr<f32>) -> Result<()> {
+        use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
+        let (w_scales, x_scales) = (w_scales.raw(), x_scales.raw());
+        // SAFETY: the scale pointers are device addresses (`void *` attributes).
+        unsafe {
+            set_attribute(
+                self.desc,
+                Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                &w_scales,
+            )?;
+            set_attribute(
+                self.desc,
+                Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                &x_scales,
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -335,24 +366,10 @@ impl Gemm {
         let product = match products.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(LtProduct::fp8(self.lt, shape)?)
+                e.insert(LtProduct::fp8(self.lt, shape, (w_scales, x_scales))?)
             }
         };
-        use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
-        let (w_scales, x_scales) = (w_scales.raw(), x_scales.raw());
-        // SAFETY: the scale pointers are device addresses (`void *` attributes).
-        unsafe {
-            set_attribute(
-                product.desc,
-                Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                &w_scales,
-            )?;
-            set_attribute(
-                product.desc,
-                Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                &x_scales,
-            )?;
-        }
+        product.set_scales(w_scales, x_scales)?;
         self.matmul(product, x, w, y.cast())
     }
 
