@@ -188,7 +188,7 @@ pub struct CudaOptions {
     /// the default).
     pub tune_gemms: bool,
     /// Hold the layers' projections in FP8 (e4m3, a scale a row) and run them as FP8 products
-    /// (`[engine] quantization = "fp8"`; sm_89 and newer, cuBLAS 12.9 and newer).
+    /// (`[engine] quantization = "fp8"`; Hopper: cuBLASLt takes its per-row scales on sm_90 only).
     pub fp8_weights: bool,
 }
 
