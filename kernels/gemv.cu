@@ -24,9 +24,10 @@
 //   and every kernel before that one has finished when this one starts.
 //
 // With FP8 weights (the `w8_` entries, sm_89 and newer) w holds e4m3 rows, one f32 scale a row
-// in `w_scales`: a chunk of 8 elements is 8 bytes, widened exactly (e4m3 → f16 → f32), and each
-// row's sum is multiplied by its scale before the rounding and fusions above; x stays bf16
-// (weights alone in FP8: a small batch's product is the weights' bytes).
+// in `w_scales`: a lane reads two chunks of 8 elements at once (16 bytes, as bf16 rows are
+// read), widened exactly (e4m3 → f16 → f32), and each row's sum is multiplied by its scale
+// before the rounding and fusions above; x stays bf16 (weights alone in FP8: a small batch's
+// product is the weights' bytes).
 
 #define GEMV_WARPS 4
 #define GEMV_ROWS 8
@@ -126,29 +127,34 @@ __device__ void gemv(const void* __restrict__ xp, const void* __restrict__ w, vo
         u64 row = GLU && r >= OUTS ? (u64)out + o : o;
         rows[r] = (const unsigned char*)w + row * in * (CHUNK_BYTES / 8);
     }
-    // The block's warps share the rows: lane l of warp w reads chunks w·32 + l, then one block
-    // width further on, so a block streams contiguous 2 KB of each row at a time.
+    // The block's warps share the rows: lane l of warp w reads unit w·32 + l, then one block
+    // width further on, so a block streams contiguous 2 KB of each row at a time. A unit is a
+    // chunk of 8 elements (16 bytes of bf16), or with e4m3 two adjacent chunks (16 bytes).
     constexpr u32 STRIDE = 32 * GEMV_WARPS;
-    u32 chunks = in / 8;
-    // e4m3 rows are read 8 bytes a lane: twice the loads in flight keep as many bytes coming.
-    constexpr int UNROLL = W8 ? 2 * GEMV_UNROLL : GEMV_UNROLL;
-    uint4 wv[GEMV_ROWS][UNROLL], gv[UNROLL];
+    constexpr u32 PER = W8 ? 2 : 1;
+    u32 chunks = in / 8, units = (chunks + PER - 1) / PER;
+    constexpr int UNROLL = GEMV_UNROLL;
+    uint4 wv[GEMV_ROWS][UNROLL], gv[UNROLL][PER];
     auto load = [&](u32 c0) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            u32 c = c0 + STRIDE * u;
+            u32 n = c0 + STRIDE * u, c = n * PER;
 #pragma unroll
             for (int r = 0; r < GEMV_ROWS; ++r) {
                 if (c >= chunks) {
                     wv[r][u] = make_uint4(0, 0, 0, 0);
-                } else if (W8) {
+                } else if (W8 && c + 1 >= chunks) {
                     uint2 v = __ldg((const uint2*)(rows[r] + (u64)c * CHUNK_BYTES));
                     wv[r][u] = make_uint4(v.x, v.y, 0, 0);
                 } else {
                     wv[r][u] = __ldg((const uint4*)(rows[r] + (u64)c * CHUNK_BYTES));
                 }
             }
-            if (NORM) gv[u] = c < chunks ? __ldg((const uint4*)norm_w + c) : make_uint4(0, 0, 0, 0);
+            if (NORM)
+#pragma unroll
+                for (int h = 0; h < PER; ++h)
+                    gv[u][h] = c + h < chunks ? __ldg((const uint4*)norm_w + c + h)
+                                              : make_uint4(0, 0, 0, 0);
         }
     };
     // Thread t·OUTS + o writes output o of token t (at the end); with ACCUM it reads y there
@@ -169,30 +175,36 @@ __device__ void gemv(const void* __restrict__ xp, const void* __restrict__ w, vo
     for (int r = 0; r < GEMV_ROWS; ++r)
 #pragma unroll
         for (int t = 0; t < TOKENS; ++t) acc[r][t] = 0.f;
-    for (u32 c0 = warp * 32 + lane; c0 < chunks; c0 += STRIDE * UNROLL) {
+    for (u32 c0 = warp * 32 + lane; c0 < units; c0 += STRIDE * UNROLL) {
         if (c0 != warp * 32 + lane) load(c0);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            u32 c = c0 + STRIDE * u;
-            if (c >= chunks) break;
-            float g[8];
-            if (NORM) unpack8(gv[u], g);
 #pragma unroll
-            for (int t = 0; t < TOKENS; ++t) {
-                if (t >= tokens) break;
-                float xv[8];
-                if (NORM) {
-                    const float4* row = (const float4*)((const float*)xp + (u64)t * in) + 2 * c;
-                    float4 a = row[0], b = row[1];
-                    float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            for (int h = 0; h < PER; ++h) {
+                u32 c = (c0 + STRIDE * u) * PER + h;
+                if (c >= chunks) break;
+                float g[8];
+                if (NORM) unpack8(gv[u][h], g);
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) xv[i] = round_bf16((v[i] * scale[t]) * g[i]);
-                } else {
-                    unpack8(((const uint4*)((const bf16*)xp + (u64)t * in))[c], xv);
+                for (int t = 0; t < TOKENS; ++t) {
+                    if (t >= tokens) break;
+                    float xv[8];
+                    if (NORM) {
+                        const float4* row = (const float4*)((const float*)xp + (u64)t * in) + 2 * c;
+                        float4 a = row[0], b = row[1];
+                        float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) xv[i] = round_bf16((v[i] * scale[t]) * g[i]);
+                    } else {
+                        unpack8(((const uint4*)((const bf16*)xp + (u64)t * in))[c], xv);
+                    }
+#pragma unroll
+                    for (int r = 0; r < GEMV_ROWS; ++r) {
+                        uint4 w = wv[r][u];
+                        acc[r][t] += W8 ? dot8_e4m3(h ? make_uint4(w.z, w.w, 0, 0) : w, xv)
+                                        : dot8(w, xv);
+                    }
                 }
-#pragma unroll
-                for (int r = 0; r < GEMV_ROWS; ++r)
-                    acc[r][t] += W8 ? dot8_e4m3(wv[r][u], xv) : dot8(wv[r][u], xv);
             }
         }
     }
