@@ -596,28 +596,6 @@ fn fp8_weights_stay_close_to_bf16() {
     }
 }
 
-/// The logits of `prompt` at every position, then of one decode step per token of `decode`
-/// (fed whatever the model picks), in pages enough for both.
-fn logits_along(backend: &mut CudaBackend, prompt: &[u32], decode: &[u32]) -> Vec<f32> {
-    let pages = pages(0, (prompt.len() + decode.len()).div_ceil(PAGE));
-    let mut step = |tokens: &[u32], start_pos: usize| {
-        let plan = StepPlan {
-            rows: vec![RowPlan {
-                tokens: tokens.to_vec(),
-                start_pos,
-                pages: pages.clone(),
-                logits: LogitsWanted::All,
-            }],
-        };
-        backend.step(&plan).unwrap().logits
-    };
-    let mut logits = step(prompt, 0);
-    for (i, &token) in decode.iter().enumerate() {
-        logits.extend(step(&[token], prompt.len() + i));
-    }
-    logits
-}
-
 /// `n` greedy tokens after `prompt`.
 fn greedy_tokens(backend: &mut CudaBackend, prompt: &[u32], n: usize) -> Vec<u32> {
     let pages = pages(0, (prompt.len() + n).div_ceil(PAGE));
@@ -660,8 +638,9 @@ fn fp8_weights_on_smollm2_stay_close_to_bf16() {
     let v = bf16.info().vocab_size;
     let (mut worst, mut agree, mut healthy, mut top1, mut positions) = (0f64, 0, 0, 0, 0);
     for p in common::Fixture::load().prompts() {
-        let want = logits_along(&mut bf16, &p.ids, &p.greedy);
-        let got = logits_along(&mut quantized, &p.ids, &p.greedy);
+        let all = LogitsWanted::All;
+        let want = common::run_logits(&mut bf16, &p.ids, &p.greedy, all).concat();
+        let got = common::run_logits(&mut quantized, &p.ids, &p.greedy, all).concat();
         let (max, rel) = difference(&want, &got);
         worst = worst.max(rel);
         for (w, g) in want.chunks(v).zip(got.chunks(v)) {

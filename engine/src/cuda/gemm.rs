@@ -227,9 +227,7 @@ impl LtProduct {
             refusals.join("; ")
         )))
     }
-}
 
-impl LtProduct {
     /// Points an FP8 product at its weight rows' scales (cuBLASLt's A) and its tokens' (B).
     fn set_scales(&self, w_scales: DPtr<f32>, x_scales: DPtr<f32>) -> Result<()> {
         use lt_sys::cublasLtMatmulDescAttributes_t as Attr;

@@ -160,14 +160,15 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// The logits of `prompt` in one step, then of one decode step per token of `decode`, in the
-/// same four pages.
+/// same pages: four, or as many pages of 16 tokens as the run needs.
 pub fn run_logits(
     backend: &mut dyn Backend,
     prompt: &[u32],
     decode: &[u32],
     wanted: LogitsWanted,
 ) -> Vec<Vec<f32>> {
-    let pages: Vec<PageId> = (0..4).map(|p| PageId(p * 2 + 1)).collect();
+    let n = (prompt.len() + decode.len()).div_ceil(16).max(4) as u32;
+    let pages: Vec<PageId> = (0..n).map(|p| PageId(p * 2 + 1)).collect();
     let mut out = Vec::new();
     let mut step = |tokens: Vec<u32>, start_pos: usize| {
         let plan = StepPlan {
