@@ -434,6 +434,170 @@ __device__ void decode_attention(const DecodeArgs& a) {
     }
 }
 
+// Few short rows (the engine's resident launch: rows of at most `max_tiles` tiles, one token
+// each, their k and v stored here): a block serves a whole row for one KV head's group, every
+// earlier position of the row copied into shared memory before waiting for the kernel before,
+// the row's own k and v put there from the prologue's registers, and the tiles computed one
+// after another from shared memory, merged across the warps: no split, no merge between
+// blocks, no load after the wait but the new q/k/v. A short row's attention is then a chain of
+// the prologue and the products, where a cluster of splits spends ~3 µs after its prologue on
+// loads, barriers and the merge; past a few hundred positions the tiles one after another cost
+// more than that (the engine's RESIDENT_MAX_POSITIONS; BENCHMARKS.md, "A short row's
+// attention in one block").
+//
+// Dynamic shared memory: `max_tiles` K and V tiles, then the query rows.
+template <int D>
+__device__ void decode_attention_resident(const DecodeArgs& a, u32 max_tiles) {
+    constexpr int LPK = D / 8;
+    constexpr int STRIDE = D + 8, KS = D / 16, NT = D / 8, TILE = KEY_TILE * STRIDE;
+    constexpr int WARP_KEYS = KEY_TILE / DECODE_WARPS;
+    extern __shared__ __align__(16) bf16 decode_tiles[];
+    bf16* s_q = decode_tiles + 2 * TILE * max_tiles;
+
+    u32 group = a.heads / a.kv_heads, chunks = (group + DECODE_GROUP - 1) / DECODE_GROUP;
+    u32 kvh = blockIdx.y / chunks, chunk = blockIdx.y % chunks;
+    u32 head0 = kvh * group + chunk * DECODE_GROUP;
+    u32 g = min((u32)DECODE_GROUP, group - chunk * DECODE_GROUP);
+    u32 r = blockIdx.z, token = a.row_start_token[r], pos = a.row_start_pos[r];
+    u32 lo = (a.window != 0 && pos + 1 > a.window) ? pos + 1 - a.window : 0;
+    u32 n_tiles = min((pos - lo) / KEY_TILE + 1, max_tiles);
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
+    const u32* table = a.page_table + (u64)r * a.table_stride;
+
+    // Every tile, the row's own position included (stale there until the prologue writes it):
+    // earlier steps wrote the others, the step's first kernel the page table.
+    for (u32 t = 0; t < n_tiles; ++t) {
+        bf16* ks = decode_tiles + t * 2 * TILE;
+        issue_kv_tile<D, DECODE_WARPS * 32>(ks, ks + TILE, a.k_cache, a.v_cache, table,
+                                            a.page_tokens, a.kv_heads, kvh, lo + t * KEY_TILE, pos);
+    }
+    float cs[8], sn[8];
+    auto angles = [&] {
+        u32 part = threadIdx.x % LPK;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sincosf((float)pos * a.inv_freq[(part * 8 + i) % (D / 2)], &sn[i], &cs[i]);
+    };
+    if constexpr (D <= 64) angles();
+    pdl_begin();
+    if constexpr (D > 64) angles();
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();  // every copy has landed, the row's own slot among them
+
+    // Prologue, as decode_attention's: q heads rotated into s_q, k and v stored into the paged
+    // cache and into the row's slot of the tiles.
+    {
+        u32 unit = threadIdx.x / LPK, part = threadIdx.x % LPK;
+        const bf16* tok = a.qkv + (u64)token * (a.heads + 2 * a.kv_heads) * D;
+        bool is_v = unit == g + 1;
+        u32 col = unit < g ? (head0 + unit) * D : (unit == g ? a.heads + kvh : a.heads + a.kv_heads + kvh) * D;
+        if (unit > g + 1) col = 0;
+        float x[8];
+        new_head(tok, a.bias, col + part * 8, cs, sn, LPK / 2, part < LPK / 2, is_v, x);
+        uint4 bits = pack8(x);
+        if (unit < g) *(uint4*)(s_q + unit * STRIDE + part * 8) = bits;
+        if (unit == g || unit == g + 1) {
+            u64 slot = (u64)table[pos / a.page_tokens] * a.page_tokens + pos % a.page_tokens;
+            bf16* cache = unit == g ? a.k_cache : a.v_cache;
+            *(uint4*)(cache + (slot * a.kv_heads + kvh) * D + part * 8) = bits;
+            u32 rel = pos - lo;
+            bf16* tile = decode_tiles + (rel / KEY_TILE) * 2 * TILE + (unit == g ? 0 : TILE);
+            *(uint4*)(tile + (rel % KEY_TILE) * STRIDE + part * 8) = bits;
+        }
+        for (u32 i = threadIdx.x; i < (16 - g) * (D / 8); i += blockDim.x)
+            *(uint4*)(s_q + (g + i / (D / 8)) * STRIDE + (i % (D / 8)) * 8) = make_uint4(0, 0, 0, 0);
+    }
+    __syncthreads();
+    u32 qa[KS][4];
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+        ldmatrix_x4(qa[kk], s_q + ((lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + kk * 16 + (lane >> 4) * 8);
+
+    float o[NT][4], m = NEG_INF, l = 0.f;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    u32 end = pos + 1;
+    for (u32 t = 0; t < n_tiles; ++t) {
+        u32 k0 = lo + t * KEY_TILE;
+        const bf16* ks = decode_tiles + t * 2 * TILE;
+        const bf16* vs = ks + TILE;
+        u32 wk = warp * WARP_KEYS;
+        float s[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) score_keys8<D>(s[n], qa, ks, wk + n * 8, lane);
+        float mx = NEG_INF;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                bool visible = k0 + wk + n * 8 + tig * 2 + e < end;
+                s[n][e] = visible ? s[n][e] * a.scale_log2 : NEG_INF;
+                mx = fmaxf(mx, s[n][e]);
+            }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        float m_new = fmaxf(m, mx);
+        float base = m_new == NEG_INF ? 0.f : m_new;
+        float alpha = fast_exp2(m - base), sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                s[n][e] = fast_exp2(s[n][e] - base);
+                sum += s[n][e];
+            }
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        l = l * alpha + sum;
+        m = m_new;
+        u32 pa[4] = {pack_bf16x2(s[0][0], s[0][1]), 0u, pack_bf16x2(s[1][0], s[1][1]), 0u};
+#pragma unroll
+        for (int n = 0; n < NT; ++n) o[n][0] *= alpha, o[n][1] *= alpha;
+        add_values16<D>(o, pa, vs, wk, lane);
+    }
+    __syncthreads();  // every warp is done with the tiles: their first holds the warps' states
+    float* s_m = (float*)decode_tiles;  // [warp][head]
+    float* s_l = s_m + DECODE_WARPS * DECODE_GROUP;
+    float* s_acc = s_l + DECODE_WARPS * DECODE_GROUP;  // [warp][head][D]
+    if (gid < g) {
+        if (tig == 0) s_m[warp * DECODE_GROUP + gid] = m, s_l[warp * DECODE_GROUP + gid] = l;
+        float* acc = s_acc + (warp * DECODE_GROUP + gid) * D + tig * 2;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) acc[n * 8] = o[n][0], acc[n * 8 + 1] = o[n][1];
+    }
+    __syncthreads();
+    for (u32 idx = threadIdx.x; idx < g * D; idx += blockDim.x) {
+        u32 h = idx / D, d = idx % D;
+        float mt = NEG_INF, lt = 0.f, ot = 0.f;
+        for (int w = 0; w < DECODE_WARPS; ++w) {
+            u32 at = w * DECODE_GROUP + h;
+            merge_state(mt, lt, &ot, s_m[at], s_l[at], &s_acc[at * D + d], 1);
+        }
+        a.out[(u64)token * a.heads * D + (u64)(head0 + h) * D + d] = f32_to_bf16(lt > 0.f ? ot / lt : 0.f);
+    }
+}
+
+#define DECODE_RESIDENT_ENTRY(D)                                                                  \
+    extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32, 1)                           \
+        decode_attention_resident_d##D(                                                           \
+            const bf16* qkv, const bf16* bias, const float* inv_freq, bf16* k_cache, bf16* v_cache,   \
+            const u32* page_table, u32 table_stride, const u32* row_start_token,                  \
+            const u32* row_start_pos, u32 heads, u32 kv_heads, u32 page_tokens, u32 window,       \
+            float scale_log2, bf16* out, u32 max_tiles) {                                         \
+        DecodeArgs a = {};                                                                        \
+        a.qkv = qkv, a.bias = bias, a.inv_freq = inv_freq, a.k_cache = k_cache;                  \
+        a.v_cache = v_cache, a.page_table = page_table, a.table_stride = table_stride;           \
+        a.row_start_token = row_start_token, a.row_start_pos = row_start_pos, a.heads = heads;   \
+        a.kv_heads = kv_heads, a.page_tokens = page_tokens, a.window = window;                   \
+        a.scale_log2 = scale_log2, a.out = out;                                                   \
+        decode_attention_resident<D>(a, max_tiles);                                               \
+    }
+DECODE_RESIDENT_ENTRY(16)
+DECODE_RESIDENT_ENTRY(32)
+DECODE_RESIDENT_ENTRY(64)
+DECODE_RESIDENT_ENTRY(128)
+
 #define DECODE_ENTRY(D)                                                                           \
     extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32, DECODE_MIN_BLOCKS)          \
         decode_attention_d##D(                                                                    \

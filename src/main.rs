@@ -145,6 +145,11 @@ struct BenchArgs {
     #[arg(long)]
     no_gemm_tuning: bool,
 
+    /// Split every decode row's attention over blocks, also where few short rows could each
+    /// run in one block holding the row's context (the default for those).
+    #[arg(long)]
+    no_resident_attention: bool,
+
     /// Steps of at most this many tokens (0 to 8) project small weights through snapserve's
     /// gemv kernel instead of cuBLAS.
     #[arg(long, default_value_t = engine::cuda::DEFAULT_GEMV_MAX_TOKENS)]
@@ -944,6 +949,7 @@ fn cuda_bench_backend(
         exact_verify: spec.verify_width > 1,
         programmatic_launch: !args.no_programmatic_launch,
         tune_gemms: !args.no_gemm_tuning,
+        resident_decode: !args.no_resident_attention,
         fp8_weights: args.quantization == QuantizationArg::Fp8,
         pool: PoolSize::MemoryFraction(1.0),
         device_snapshot_bytes: 0,

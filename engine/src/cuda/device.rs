@@ -28,6 +28,8 @@ pub struct Device {
     pub name: String,
     pub compute_capability: (i32, i32),
     pub multiprocessors: u32,
+    /// The most shared memory one block may ask for (opting in past the 48 KB default).
+    pub max_block_shared: usize,
     pub total_bytes: u64,
     /// Kernels launched (or captured into a graph) through [`Device::launch`] so far.
     launches: AtomicUsize,
@@ -63,8 +65,12 @@ impl Device {
         let multiprocessors = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             as u32;
+        let max_block_shared = ctx.attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )? as usize;
         Ok(Arc::new(Device {
             name: ctx.name()?,
+            max_block_shared,
             total_bytes: ctx.total_mem()? as u64,
             stream: ctx.new_stream()?,
             ctx,

@@ -43,6 +43,28 @@ use crate::model::ModelConfig;
 /// `kernels/decode_attention.cu`).
 pub const MAX_SPLITS: usize = 128;
 
+/// `AttentionMode::Decode::splits` of a resident launch: no split, one block a row and head
+/// group holding every position of the row in shared memory
+/// ([`Kernels::decode_attention_resident`]).
+pub const RESIDENT: usize = 0;
+
+/// Decode steps of at most this many rows, none longer than [`RESIDENT_MAX_POSITIONS`] (and
+/// than the resident launch holds, [`Kernels::resident_positions`]), take it.
+pub const RESIDENT_MAX_ROWS: usize = 4;
+
+/// Past this many positions a row's tiles, one after another in one block, take longer than
+/// the split launch's cluster does. H100, SmolLM2's shape, tok/s, split → resident (BENCHMARKS:
+/// "A short row's attention in one block"): positions 128 to 448, batch 1 1,857 / 1,851 →
+/// 2,082 / 2,104, batch 4 4,481 / 4,568 → 4,819 / 4,825; positions 512 to 832, batch 1 1,817 /
+/// 1,828 → 1,811 / 1,760, batch 4 4,512 / 4,528 → 4,186 / 4,387.
+pub const RESIDENT_MAX_POSITIONS: usize = 384;
+
+/// Whether a decode launch of `rows` rows none past `longest` positions takes the resident
+/// launch, which holds rows of up to `capacity` positions.
+pub fn takes_resident(rows: usize, longest: usize, capacity: usize) -> bool {
+    rows <= RESIDENT_MAX_ROWS && longest <= capacity.min(RESIDENT_MAX_POSITIONS)
+}
+
 /// Prefill attention aims for this many blocks per multiprocessor where splitting an item's keys
 /// over blocks can make them: too few blocks leave the loads of a long context waiting on
 /// latency (8B, 32 new tokens after 32,000 restored: 68.5 ms to first token unsplit, 15 ms).
@@ -172,9 +194,9 @@ impl Workspace {
 /// How a pass runs attention.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum AttentionMode {
-    /// Every row holds one token. With `append_first`, every token's k and v are stored in one
-    /// launch before attention, so a row may attend to the positions of rows before it in the
-    /// same step: a verification run as one row per position.
+    /// Every row holds one token; `splits` may be [`RESIDENT`]. With `append_first`, every
+    /// token's k and v are stored in one launch before attention, so a row may attend to the
+    /// positions of rows before it in the same step: a verification run as one row per position.
     Decode {
         rows: usize,
         splits: usize,
@@ -494,12 +516,18 @@ impl Forward<'_> {
                 splits,
                 append_first,
             } => {
-                if append_first {
-                    append(false)?;
+                if splits == RESIDENT {
+                    assert!(!append_first, "a verification's rows are split");
+                    self.kernels
+                        .decode_attention_resident(&decode(true, DPtr::NULL), rows)?
+                } else {
+                    if append_first {
+                        append(false)?;
+                    }
+                    let attention = decode(!append_first, DPtr::NULL);
+                    self.kernels
+                        .decode_attention(&attention, rows, &split(splits))?
                 }
-                let attention = decode(!append_first, DPtr::NULL);
-                self.kernels
-                    .decode_attention(&attention, rows, &split(splits))?
             }
             AttentionMode::Prefill {
                 items,
@@ -717,6 +745,20 @@ mod tests {
             }
         }
         assert!(pairs <= 256 + 33);
+    }
+
+    #[test]
+    fn few_short_rows_take_the_resident_launch() {
+        // SmolLM2's heads hold 768 positions a block (12 tiles); the cut is 384 positions.
+        assert!(takes_resident(1, 1, 768));
+        assert!(takes_resident(4, RESIDENT_MAX_POSITIONS, 768));
+        assert!(!takes_resident(1, RESIDENT_MAX_POSITIONS + 1, 768));
+        assert!(!takes_resident(RESIDENT_MAX_ROWS + 1, 64, 768));
+        // A launch that holds fewer positions (heads of 128: 384) or none.
+        assert!(!takes_resident(1, 300, 256));
+        assert!(!takes_resident(1, 1, 0));
+        // A verification asks with no bound on its rows' length.
+        assert!(!takes_resident(1, usize::MAX, 768));
     }
 
     #[test]

@@ -10,7 +10,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::device::{DPtr, Device, DeviceBuffer, PinnedBuffer};
-use super::forward::MAX_SPLITS;
+use super::forward::{MAX_SPLITS, RESIDENT};
 use super::gemm::{Gemm, Linear};
 use super::kernels::*;
 use super::pool::KvPool;
@@ -1270,9 +1270,15 @@ fn check_decode(shape: AttnShape, contexts: &[usize], splits: usize, with_bias: 
     };
     let what = format!("decode {shape:?} contexts {contexts:?} splits {splits} bias {with_bias}");
     for run in 0..2 {
-        g.kernels
-            .decode_attention(&attention, rows.len(), &split)
-            .unwrap();
+        if splits == RESIDENT {
+            g.kernels
+                .decode_attention_resident(&attention, rows.len())
+                .unwrap();
+        } else {
+            g.kernels
+                .decode_attention(&attention, rows.len(), &split)
+                .unwrap();
+        }
         let got = g.download_bf16(out.ptr(), n * d);
         assert_close(&format!("{what}, run {run}"), &got, &want, 1e-2);
     }
@@ -1315,6 +1321,27 @@ fn decode_attention_merges_short_rows_in_a_cluster() {
     check_decode(shape(4, 2, 16, 0), &[3, 90, 700], 16, false);
     // A sliding window of 100: every row's splits start past position 0.
     check_decode(shape(8, 8, 32, 100), &[30, 101, 333], 8, false);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn resident_decode_attention_matches_reference() {
+    // One block a row and head group, the row's context in shared memory: contexts of one and
+    // two positions, tile and page edges, the longest the launch holds; groups of 3, 4 and 7
+    // (two blocks a KV head), heads of 16 to 128, a window, bias.
+    for (s, bias) in [
+        (shape(9, 3, 64, 0), true),
+        (shape(16, 4, 64, 0), false),
+        (shape(14, 2, 64, 0), true),
+        (shape(32, 8, 128, 0), false),
+        (shape(4, 2, 16, 0), false),
+        (shape(8, 8, 32, 100), false),
+    ] {
+        let most = gpu(s.head_dim).kernels.resident_positions();
+        assert!(most >= 256, "{s:?}: the launch holds {most} positions");
+        let contexts = [1, 2, 63, 64, 65, 100, 257, most - 1, most];
+        check_decode(s, &contexts, RESIDENT, bias);
+    }
 }
 
 /// Decode attention of verifications, given as (first position, width), each run as rows of

@@ -138,6 +138,24 @@ fn decode_shared_bytes(head_dim: usize, blocks: usize, multiprocessors: usize) -
     tiles + outside
 }
 
+/// The most tiles of positions a resident decode launch holds a row's K and V in
+/// ([`Kernels::decode_attention_resident`]): 1,024 positions.
+const RESIDENT_MAX_TILES: usize = 16;
+
+/// Dynamic shared memory of a resident decode block holding `tiles` tiles: their K and V, then
+/// 16 query rows (decode_attention.cu).
+fn resident_shared_bytes(head_dim: usize, tiles: usize) -> usize {
+    tiles * tile_shared_bytes(head_dim) / PREFILL_STAGES + 16 * (head_dim + 8) * 2
+}
+
+/// The tiles a resident decode block holds within `max_shared` bytes a block (0: none).
+fn resident_tiles(head_dim: usize, max_shared: usize) -> usize {
+    (1..=RESIDENT_MAX_TILES)
+        .take_while(|&tiles| resident_shared_bytes(head_dim, tiles) <= max_shared)
+        .last()
+        .unwrap_or(0)
+}
+
 /// Query heads one prefill attention block serves (`MAX_GROUP`).
 const MAX_GROUP: usize = 8;
 /// Warps of one decode attention block (`DECODE_WARPS`).
@@ -269,6 +287,9 @@ pub struct Kernels {
     gemv_tc: Vec<[CudaFunction; 2]>,
     rope_kv_append: CudaFunction,
     decode_attention: CudaFunction,
+    decode_attention_resident: CudaFunction,
+    /// Tiles of positions the resident decode launch holds a row's K and V in.
+    resident_tiles: usize,
     prefill_attention: CudaFunction,
     merge_attention_splits: CudaFunction,
     sample_rows: CudaFunction,
@@ -298,6 +319,14 @@ impl Kernels {
         device.allow_shared(&prefill_attention, prefill_shared_bytes(head_dim))?;
         let decode_attention = f(&format!("decode_attention_d{head_dim}"))?;
         device.allow_shared(&decode_attention, decode_shared_bytes(head_dim, 0, 1))?;
+        let decode_attention_resident = f(&format!("decode_attention_resident_d{head_dim}"))?;
+        let resident_tiles = resident_tiles(head_dim, device.max_block_shared);
+        if resident_tiles > 0 {
+            device.allow_shared(
+                &decode_attention_resident,
+                resident_shared_bytes(head_dim, resident_tiles),
+            )?;
+        }
         // The CUDA-core gemv's entries (`prefix` names the FP8 ones), each for at most 1, 2, 4
         // and 8 tokens.
         let gemv_entries = |prefix: &str| -> Result<Vec<[CudaFunction; 4]>> {
@@ -335,6 +364,8 @@ impl Kernels {
                 .collect::<Result<_>>()?,
             rope_kv_append: f("rope_kv_append")?,
             decode_attention,
+            decode_attention_resident,
+            resident_tiles,
             prefill_attention,
             merge_attention_splits: f("merge_attention_splits")?,
             sample_rows: f("sample_rows")?,
@@ -655,6 +686,46 @@ impl Kernels {
             ATTENTION_THREADS,
             shared,
             cluster,
+            &args,
+        )
+    }
+
+    /// The longest row (in positions) [`Kernels::decode_attention_resident`] takes.
+    pub fn resident_positions(&self) -> usize {
+        self.resident_tiles * KEY_TILE
+    }
+
+    /// Attention of rows holding one new token each, at most [`Kernels::resident_positions`]
+    /// long, whose bias, rotary embedding and KV append it does too: one block a row and head
+    /// group, every earlier position copied into shared memory before the wait for the kernel
+    /// before (decode_attention.cu). `a.row_items` must be null and `a.store_kv` set.
+    pub fn decode_attention_resident(&self, a: &DecodeAttention, rows: usize) -> Result<()> {
+        assert!(a.store_kv && a.row_items.addr() == 0 && self.resident_tiles > 0);
+        let s = &a.shape;
+        let args = Args::new()
+            .ptr(a.qkv)
+            .ptr(a.bias)
+            .ptr(a.inv_freq)
+            .ptr(a.k_cache)
+            .ptr(a.v_cache)
+            .ptr(a.rows.page_table)
+            .u32(a.rows.table_stride as u32)
+            .ptr(a.rows.start_token)
+            .ptr(a.rows.start_pos)
+            .u32(s.heads as u32)
+            .u32(s.kv_heads as u32)
+            .u32(s.page_tokens as u32)
+            .u32(s.window as u32)
+            .f32(s.scale_log2())
+            .ptr(a.out)
+            .u32(self.resident_tiles as u32);
+        let grid = (1, s.decode_blocks_per_row() as u32, rows as u32);
+        let shared = resident_shared_bytes(s.head_dim, self.resident_tiles) as u32;
+        self.device.launch_with_shared(
+            &self.decode_attention_resident,
+            grid,
+            ATTENTION_THREADS,
+            shared,
             &args,
         )
     }

@@ -187,6 +187,10 @@ pub struct CudaOptions {
     /// the fastest where it beats cuBLAS's default ([`gemm::Gemm::tune`]; a split model keeps
     /// the default).
     pub tune_gemms: bool,
+    /// Decode steps of few short rows run attention with each row's whole context in one block's
+    /// shared memory, copied before the kernel before ends ([`kernels::Kernels::
+    /// decode_attention_resident`]), instead of split over a cluster of blocks.
+    pub resident_decode: bool,
     /// Hold the layers' projections in FP8 (e4m3, a scale a row) and run them as FP8 products
     /// (`[engine] quantization = "fp8"`; Hopper: cuBLASLt takes its per-row scales on sm_90 only).
     pub fp8_weights: bool,
@@ -234,6 +238,7 @@ impl CudaOptions {
                 .unwrap_or(speculative.method != SpeculativeMethod::None),
             programmatic_launch: true,
             tune_gemms: true,
+            resident_decode: true,
             fp8_weights: engine.quantization == policy::Quantization::Fp8,
         }
     }
@@ -258,6 +263,7 @@ impl CudaOptions {
             exact_verify: false,
             programmatic_launch: true,
             tune_gemms: true,
+            resident_decode: true,
             fp8_weights: false,
         }
     }
@@ -336,6 +342,8 @@ pub struct CudaBackend {
     /// Whether the small projections run on the tensor-core gemv: where `exact_verify` asks
     /// for it, and where it is the faster one ([`TENSOR_CORE_GEMV_MIN_HIDDEN`]).
     tensor_core_gemv: bool,
+    /// [`CudaOptions::resident_decode`].
+    resident_decode: bool,
     programmatic_launch: bool,
     info: BackendInfo,
     plan: MemoryPlan,
@@ -516,6 +524,7 @@ impl CudaBackend {
             gemv_max_weight_bytes: options.gemv_max_weight_bytes,
             exact_verify: options.exact_verify,
             tensor_core_gemv,
+            resident_decode: options.resident_decode,
             programmatic_launch: options.programmatic_launch,
             config,
             shard,
@@ -752,7 +761,15 @@ impl CudaBackend {
 
     /// Decode attention's splits for a launch of `rows` rows none of which reaches past
     /// `longest` positions ([`forward::decode_splits_within`]).
+    /// Few rows short enough to fit the resident launch take it ([`forward::RESIDENT`]), unless
+    /// verifications must be the bits of one-token steps (they split every row).
     fn decode_splits(&self, rows: usize, longest: usize) -> usize {
+        if self.resident_decode
+            && !self.exact_verify
+            && forward::takes_resident(rows, longest, self.kernels.resident_positions())
+        {
+            return forward::RESIDENT;
+        }
         forward::decode_splits_within(
             self.device.multiprocessors as usize,
             rows,
