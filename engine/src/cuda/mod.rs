@@ -188,8 +188,8 @@ pub struct CudaOptions {
     /// the default).
     pub tune_gemms: bool,
     /// Decode steps of few short rows run attention with each row's whole context in one block's
-    /// shared memory, copied before the kernel before ends ([`kernels::Kernels::
-    /// decode_attention_resident`]), instead of split over a cluster of blocks.
+    /// shared memory, copied before the kernel before ends, instead of split over a cluster of
+    /// blocks (see [`kernels::Kernels::decode_attention_resident`]).
     pub resident_decode: bool,
     /// Hold the layers' projections in FP8 (e4m3, a scale a row) and run them as FP8 products
     /// (`[engine] quantization = "fp8"`; Hopper: cuBLASLt takes its per-row scales on sm_90 only).
