@@ -196,9 +196,132 @@ __device__ void combine_splits(const DecodeArgs& a, u32 z, u32 head0, u32 g, u32
     }
 }
 
+// The rotation's angles at `pos` of this thread's 8 dimensions (D / 8 threads a head).
+template <int D>
+__device__ __forceinline__ void rope_angles(u32 pos, const float* inv_freq, float* cs, float* sn) {
+    u32 part = threadIdx.x % (D / 8);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sincosf((float)pos * inv_freq[(part * 8 + i) % (D / 2)], &sn[i], &cs[i]);
+}
+
+// The prologue: lane groups of D/8 threads each take one of the g query heads (head0..), the new
+// k (`unit` g) or the new v (g + 1) of KV head `kvh`, from `token`'s q/k/v row: bias added and
+// rotated, q rounded to bf16 into rows 0..g of `s_q` (row stride D + 8), rows g..15 zeroed.
+// Returns this thread's 8 values packed, for the caller to store k and v where it keeps them.
+template <int D>
+__device__ __forceinline__ uint4 new_token_heads(const DecodeArgs& a, u32 token, u32 head0, u32 g,
+                                                 u32 kvh, const float* cs, const float* sn,
+                                                 bf16* s_q, u32& unit) {
+    constexpr int LPK = D / 8, STRIDE = D + 8;
+    unit = threadIdx.x / LPK;
+    u32 part = threadIdx.x % LPK;
+    const bf16* tok = a.qkv + (u64)token * (a.heads + 2 * a.kv_heads) * D;
+    bool is_v = unit == g + 1;
+    u32 col = unit < g ? (head0 + unit) * D : (unit == g ? a.heads + kvh : a.heads + a.kv_heads + kvh) * D;
+    if (unit > g + 1) col = 0;  // idle lanes still join new_head's shuffles
+    float x[8];
+    bool ready = a.q_ready && unit < g;  // q as rope_kv_append left it: no bias, no turn
+    new_head(tok, ready ? nullptr : a.bias, col + part * 8, cs, sn, LPK / 2, part < LPK / 2,
+             is_v || ready, x);
+    uint4 bits = pack8(x);
+    if (unit < g) *(uint4*)(s_q + unit * STRIDE + part * 8) = bits;
+    for (u32 i = threadIdx.x; i < (16 - g) * (D / 8); i += blockDim.x)
+        *(uint4*)(s_q + (g + i / (D / 8)) * STRIDE + (i % (D / 8)) * 8) = make_uint4(0, 0, 0, 0);
+    return bits;
+}
+
+// This thread's 8 values of the new k (`unit` g) or v (g + 1) of KV head `kvh` into the paged
+// cache at `pos`.
+template <int D>
+__device__ __forceinline__ void store_new_kv(const DecodeArgs& a, const u32* table, u32 pos,
+                                             u32 kvh, u32 unit, u32 g, uint4 bits) {
+    u64 slot = (u64)table[pos / a.page_tokens] * a.page_tokens + pos % a.page_tokens;
+    bf16* cache = unit == g ? a.k_cache : a.v_cache;
+    *(uint4*)(cache + (slot * a.kv_heads + kvh) * D + (threadIdx.x % (D / 8)) * 8) = bits;
+}
+
+// One warp's 16 keys k0 + wk.. of a tile in shared memory (K rows `ks`, V rows `vs`, stride
+// D + 8), those at or past `end` masked: the query heads' scores (`qa`, the A fragments of every
+// k-step), their online softmax (m, l; only the rows of the first half, heads gid < g, matter)
+// and P·V added into `o`.
+template <int D>
+__device__ __forceinline__ void attend_keys16(const u32 (*qa)[4], const bf16* ks, const bf16* vs,
+                                              u32 k0, u32 wk, u32 end, float scale_log2, u32 lane,
+                                              float& m, float& l, float (*o)[4]) {
+    constexpr int NT = D / 8;
+    u32 tig = lane & 3;
+    float s[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) score_keys8<D>(s[n], qa, ks, wk + n * 8, lane);
+    float mx = NEG_INF;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            bool visible = k0 + wk + n * 8 + tig * 2 + e < end;
+            s[n][e] = visible ? s[n][e] * scale_log2 : NEG_INF;
+            mx = fmaxf(mx, s[n][e]);
+        }
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    float m_new = fmaxf(m, mx);
+    float base = m_new == NEG_INF ? 0.f : m_new;
+    float alpha = fast_exp2(m - base), sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            s[n][e] = fast_exp2(s[n][e] - base);
+            sum += s[n][e];
+        }
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    l = l * alpha + sum;
+    m = m_new;
+    u32 pa[4] = {pack_bf16x2(s[0][0], s[0][1]), 0u, pack_bf16x2(s[1][0], s[1][1]), 0u};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) o[n][0] *= alpha, o[n][1] *= alpha;
+    add_values16<D>(o, pa, vs, wk, lane);
+}
+
+// Each warp's softmax state for the g heads into shared memory at `states`, for the block's
+// merge: s_m [warp][head], s_l likewise, then s_acc [warp][head][D]. Returns s_m; the caller
+// waits for every warp before reading.
+template <int D>
+__device__ __forceinline__ float* store_warp_states(float* states, u32 g, float m, float l,
+                                                    const float (*o)[4]) {
+    constexpr int NT = D / 8;
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
+    float* s_m = states;
+    float* s_l = s_m + DECODE_WARPS * DECODE_GROUP;
+    float* s_acc = s_l + DECODE_WARPS * DECODE_GROUP;
+    if (gid < g) {
+        if (tig == 0) s_m[warp * DECODE_GROUP + gid] = m, s_l[warp * DECODE_GROUP + gid] = l;
+        float* acc = s_acc + (warp * DECODE_GROUP + gid) * D + tig * 2;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) acc[n * 8] = o[n][0], acc[n * 8 + 1] = o[n][1];
+    }
+    return s_m;
+}
+
+// Thread's merge of the block's warps' states for output element d of head h (states as
+// `store_warp_states` left them): the normalized output, and the log-sum-exp's parts.
+template <int D>
+__device__ __forceinline__ void merge_warp_states(const float* s_m, u32 h, u32 d, float& mt,
+                                                  float& lt, float& ot) {
+    const float* s_l = s_m + DECODE_WARPS * DECODE_GROUP;
+    const float* s_acc = s_l + DECODE_WARPS * DECODE_GROUP;
+    mt = NEG_INF, lt = 0.f, ot = 0.f;
+    for (int w = 0; w < DECODE_WARPS; ++w) {
+        u32 at = w * DECODE_GROUP + h;
+        merge_state(mt, lt, &ot, s_m[at], s_l[at], &s_acc[at * D + d], 1);
+    }
+}
+
 template <int D>
 __device__ void decode_attention(const DecodeArgs& a) {
-    constexpr int LPK = D / 8;  // lanes per head in the prologue, 8 dimensions each
     constexpr int STRIDE = D + 8, KS = D / 16, NT = D / 8, TILE = KEY_TILE * STRIDE;
     constexpr int WARP_KEYS = KEY_TILE / DECODE_WARPS;  // 16: one mma k-step of P·V
     __shared__ bool s_last;
@@ -225,7 +348,7 @@ __device__ void decode_attention(const DecodeArgs& a) {
         }
         return;
     }
-    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32* table = a.page_table + (u64)r * a.table_stride;
 
     // The first tile's copy goes out before waiting for the kernel before (a programmatic
@@ -247,38 +370,19 @@ __device__ void decode_attention(const DecodeArgs& a) {
     // after it: held through the first tile's copy they took 168 registers a thread, not 160,
     // for no gain on the 8B shape.
     float cs[8], sn[8];
-    auto angles = [&] {
-        u32 part = threadIdx.x % LPK;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sincosf((float)row.pos * a.inv_freq[(part * 8 + i) % (D / 2)], &sn[i], &cs[i]);
-    };
-    if constexpr (D <= 64) angles();
+    if constexpr (D <= 64) rope_angles<D>(row.pos, a.inv_freq, cs, sn);
     pdl_begin();
-    if constexpr (D > 64) angles();
+    if constexpr (D > 64) rope_angles<D>(row.pos, a.inv_freq, cs, sn);
 
-    // Prologue: lane groups of LPK threads each take one of the g query heads (rotated, rounded
+    // Prologue: lane groups of D/8 threads each take one of the g query heads (rotated, rounded
     // to bf16 into the rows of s_q), the new k (rotated) or the new v. The blocks of the split
     // holding the token's position store k and v into the paged cache before any tile is read;
     // every head group's block stores the same bytes, so their order does not matter.
     {
-        u32 unit = threadIdx.x / LPK, part = threadIdx.x % LPK;
-        const bf16* tok = a.qkv + (u64)row.token * (a.heads + 2 * a.kv_heads) * D;
-        bool is_v = unit == g + 1;
-        u32 col = unit < g ? (head0 + unit) * D : (unit == g ? a.heads + kvh : a.heads + a.kv_heads + kvh) * D;
-        if (unit > g + 1) col = 0;  // idle lanes still join new_head's shuffles
-        float x[8];
-        bool ready = a.q_ready && unit < g;  // q as rope_kv_append left it: no bias, no turn
-        new_head(tok, ready ? nullptr : a.bias, col + part * 8, cs, sn, LPK / 2, part < LPK / 2,
-                 is_v || ready, x);
-        uint4 bits = pack8(x);
-        if (unit < g) *(uint4*)(s_q + unit * STRIDE + part * 8) = bits;
-        if (a.store_kv && unit >= g && unit <= g + 1 && row.begin <= row.pos && row.pos < row.end) {
-            u64 slot = (u64)table[row.pos / a.page_tokens] * a.page_tokens + row.pos % a.page_tokens;
-            bf16* cache = unit == g ? a.k_cache : a.v_cache;
-            *(uint4*)(cache + (slot * a.kv_heads + kvh) * D + part * 8) = bits;
-        }
-        for (u32 i = threadIdx.x; i < (16 - g) * (D / 8); i += blockDim.x)
-            *(uint4*)(s_q + (g + i / (D / 8)) * STRIDE + (i % (D / 8)) * 8) = make_uint4(0, 0, 0, 0);
+        u32 unit;
+        uint4 bits = new_token_heads<D>(a, row.token, head0, g, kvh, cs, sn, s_q, unit);
+        if (a.store_kv && unit >= g && unit <= g + 1 && row.begin <= row.pos && row.pos < row.end)
+            store_new_kv<D>(a, table, row.pos, kvh, unit, g, bits);
     }
     __syncthreads();
 
@@ -314,68 +418,22 @@ __device__ void decode_attention(const DecodeArgs& a) {
             asm volatile("cp.async.wait_group 0;");
         }
         __syncthreads();
-        u32 wk = warp * WARP_KEYS;
-        float s[2][4];
-#pragma unroll
-        for (int n = 0; n < 2; ++n) score_keys8<D>(s[n], qa, ks, wk + n * 8, lane);
-        // Only the rows of the first half (heads gid < g) matter: mask, scale, online softmax.
-        float mx = NEG_INF;
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                bool visible = k0 + wk + n * 8 + tig * 2 + e < row.end;
-                s[n][e] = visible ? s[n][e] * a.scale_log2 : NEG_INF;
-                mx = fmaxf(mx, s[n][e]);
-            }
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        float m_new = fmaxf(m, mx);
-        float base = m_new == NEG_INF ? 0.f : m_new;
-        float alpha = fast_exp2(m - base), sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                s[n][e] = fast_exp2(s[n][e] - base);
-                sum += s[n][e];
-            }
-        }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        l = l * alpha + sum;
-        m = m_new;
-        u32 pa[4] = {pack_bf16x2(s[0][0], s[0][1]), 0u, pack_bf16x2(s[1][0], s[1][1]), 0u};
-#pragma unroll
-        for (int n = 0; n < NT; ++n) o[n][0] *= alpha, o[n][1] *= alpha;
-        add_values16<D>(o, pa, vs, wk, lane);
+        attend_keys16<D>(qa, ks, vs, k0, warp * WARP_KEYS, row.end, a.scale_log2, lane, m, l, o);
         __syncthreads();
     }
     if (n_tiles == 0) {  // the loop's last barrier did not run: let the first copy land
         asm volatile("cp.async.wait_group 0;");
         __syncthreads();
     }
-    float* s_m = (float*)decode_tiles;  // [warp][head]
-    float* s_l = s_m + DECODE_WARPS * DECODE_GROUP;
-    float* s_acc = s_l + DECODE_WARPS * DECODE_GROUP;  // [warp][head][D]
-    if (gid < g) {
-        if (tig == 0) s_m[warp * DECODE_GROUP + gid] = m, s_l[warp * DECODE_GROUP + gid] = l;
-        float* acc = s_acc + (warp * DECODE_GROUP + gid) * D + tig * 2;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) acc[n * 8] = o[n][0], acc[n * 8 + 1] = o[n][1];
-    }
+    const float* s_m = store_warp_states<D>((float*)decode_tiles, g, m, l, o);
     __syncthreads();
     // This split's normalized output and log-sum-exp, for the cluster's merge.
     static_assert(D <= 128, "s_split_o holds heads of up to 128");
     __shared__ float s_split_o[DECODE_GROUP][128], s_split_lse[DECODE_GROUP];
     for (u32 idx = threadIdx.x; idx < g * D; idx += blockDim.x) {
         u32 h = idx / D, d = idx % D;
-        float mt = NEG_INF, lt = 0.f, ot = 0.f;
-        for (int w = 0; w < DECODE_WARPS; ++w) {
-            u32 at = w * DECODE_GROUP + h;
-            merge_state(mt, lt, &ot, s_m[at], s_l[at], &s_acc[at * D + d], 1);
-        }
+        float mt, lt, ot;
+        merge_warp_states<D>(s_m, h, d, mt, lt, ot);
         float o = lt > 0.f ? ot / lt : 0.f;
         u32 head = head0 + h;
         if (row.in_cluster) {
@@ -448,7 +506,6 @@ __device__ void decode_attention(const DecodeArgs& a) {
 // Dynamic shared memory: `max_tiles` K and V tiles, then the query rows.
 template <int D>
 __device__ void decode_attention_resident(const DecodeArgs& a, u32 max_tiles) {
-    constexpr int LPK = D / 8;
     constexpr int STRIDE = D + 8, KS = D / 16, NT = D / 8, TILE = KEY_TILE * STRIDE;
     constexpr int WARP_KEYS = KEY_TILE / DECODE_WARPS;
     extern __shared__ __align__(16) bf16 decode_tiles[];
@@ -461,7 +518,7 @@ __device__ void decode_attention_resident(const DecodeArgs& a, u32 max_tiles) {
     u32 r = blockIdx.z, token = a.row_start_token[r], pos = a.row_start_pos[r];
     u32 lo = (a.window != 0 && pos + 1 > a.window) ? pos + 1 - a.window : 0;
     u32 n_tiles = min((pos - lo) / KEY_TILE + 1, max_tiles);
-    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32* table = a.page_table + (u64)r * a.table_stride;
 
     // Every tile, the row's own position included (stale there until the prologue writes it):
@@ -472,39 +529,23 @@ __device__ void decode_attention_resident(const DecodeArgs& a, u32 max_tiles) {
                                             a.page_tokens, a.kv_heads, kvh, lo + t * KEY_TILE, pos);
     }
     float cs[8], sn[8];
-    auto angles = [&] {
-        u32 part = threadIdx.x % LPK;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sincosf((float)pos * a.inv_freq[(part * 8 + i) % (D / 2)], &sn[i], &cs[i]);
-    };
-    if constexpr (D <= 64) angles();
+    if constexpr (D <= 64) rope_angles<D>(pos, a.inv_freq, cs, sn);
     pdl_begin();
-    if constexpr (D > 64) angles();
+    if constexpr (D > 64) rope_angles<D>(pos, a.inv_freq, cs, sn);
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();  // every copy has landed, the row's own slot among them
 
     // Prologue, as decode_attention's: q heads rotated into s_q, k and v stored into the paged
     // cache and into the row's slot of the tiles.
     {
-        u32 unit = threadIdx.x / LPK, part = threadIdx.x % LPK;
-        const bf16* tok = a.qkv + (u64)token * (a.heads + 2 * a.kv_heads) * D;
-        bool is_v = unit == g + 1;
-        u32 col = unit < g ? (head0 + unit) * D : (unit == g ? a.heads + kvh : a.heads + a.kv_heads + kvh) * D;
-        if (unit > g + 1) col = 0;
-        float x[8];
-        new_head(tok, a.bias, col + part * 8, cs, sn, LPK / 2, part < LPK / 2, is_v, x);
-        uint4 bits = pack8(x);
-        if (unit < g) *(uint4*)(s_q + unit * STRIDE + part * 8) = bits;
+        u32 unit;
+        uint4 bits = new_token_heads<D>(a, token, head0, g, kvh, cs, sn, s_q, unit);
         if (unit == g || unit == g + 1) {
-            u64 slot = (u64)table[pos / a.page_tokens] * a.page_tokens + pos % a.page_tokens;
-            bf16* cache = unit == g ? a.k_cache : a.v_cache;
-            *(uint4*)(cache + (slot * a.kv_heads + kvh) * D + part * 8) = bits;
+            store_new_kv<D>(a, table, pos, kvh, unit, g, bits);
             u32 rel = pos - lo;
             bf16* tile = decode_tiles + (rel / KEY_TILE) * 2 * TILE + (unit == g ? 0 : TILE);
-            *(uint4*)(tile + (rel % KEY_TILE) * STRIDE + part * 8) = bits;
+            *(uint4*)(tile + (rel % KEY_TILE) * STRIDE + (threadIdx.x % (D / 8)) * 8) = bits;
         }
-        for (u32 i = threadIdx.x; i < (16 - g) * (D / 8); i += blockDim.x)
-            *(uint4*)(s_q + (g + i / (D / 8)) * STRIDE + (i % (D / 8)) * 8) = make_uint4(0, 0, 0, 0);
     }
     __syncthreads();
     u32 qa[KS][4];
@@ -515,65 +556,18 @@ __device__ void decode_attention_resident(const DecodeArgs& a, u32 max_tiles) {
     float o[NT][4], m = NEG_INF, l = 0.f;
 #pragma unroll
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    u32 end = pos + 1;
     for (u32 t = 0; t < n_tiles; ++t) {
-        u32 k0 = lo + t * KEY_TILE;
         const bf16* ks = decode_tiles + t * 2 * TILE;
-        const bf16* vs = ks + TILE;
-        u32 wk = warp * WARP_KEYS;
-        float s[2][4];
-#pragma unroll
-        for (int n = 0; n < 2; ++n) score_keys8<D>(s[n], qa, ks, wk + n * 8, lane);
-        float mx = NEG_INF;
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                bool visible = k0 + wk + n * 8 + tig * 2 + e < end;
-                s[n][e] = visible ? s[n][e] * a.scale_log2 : NEG_INF;
-                mx = fmaxf(mx, s[n][e]);
-            }
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        float m_new = fmaxf(m, mx);
-        float base = m_new == NEG_INF ? 0.f : m_new;
-        float alpha = fast_exp2(m - base), sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                s[n][e] = fast_exp2(s[n][e] - base);
-                sum += s[n][e];
-            }
-        }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        l = l * alpha + sum;
-        m = m_new;
-        u32 pa[4] = {pack_bf16x2(s[0][0], s[0][1]), 0u, pack_bf16x2(s[1][0], s[1][1]), 0u};
-#pragma unroll
-        for (int n = 0; n < NT; ++n) o[n][0] *= alpha, o[n][1] *= alpha;
-        add_values16<D>(o, pa, vs, wk, lane);
+        attend_keys16<D>(qa, ks, ks + TILE, lo + t * KEY_TILE, warp * WARP_KEYS, pos + 1,
+                         a.scale_log2, lane, m, l, o);
     }
     __syncthreads();  // every warp is done with the tiles: their first holds the warps' states
-    float* s_m = (float*)decode_tiles;  // [warp][head]
-    float* s_l = s_m + DECODE_WARPS * DECODE_GROUP;
-    float* s_acc = s_l + DECODE_WARPS * DECODE_GROUP;  // [warp][head][D]
-    if (gid < g) {
-        if (tig == 0) s_m[warp * DECODE_GROUP + gid] = m, s_l[warp * DECODE_GROUP + gid] = l;
-        float* acc = s_acc + (warp * DECODE_GROUP + gid) * D + tig * 2;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) acc[n * 8] = o[n][0], acc[n * 8 + 1] = o[n][1];
-    }
+    const float* s_m = store_warp_states<D>((float*)decode_tiles, g, m, l, o);
     __syncthreads();
     for (u32 idx = threadIdx.x; idx < g * D; idx += blockDim.x) {
         u32 h = idx / D, d = idx % D;
-        float mt = NEG_INF, lt = 0.f, ot = 0.f;
-        for (int w = 0; w < DECODE_WARPS; ++w) {
-            u32 at = w * DECODE_GROUP + h;
-            merge_state(mt, lt, &ot, s_m[at], s_l[at], &s_acc[at * D + d], 1);
-        }
+        float mt, lt, ot;
+        merge_warp_states<D>(s_m, h, d, mt, lt, ot);
         a.out[(u64)token * a.heads * D + (u64)(head0 + h) * D + d] = f32_to_bf16(lt > 0.f ? ot / lt : 0.f);
     }
 }

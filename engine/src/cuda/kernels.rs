@@ -643,22 +643,7 @@ impl Kernels {
     /// it does too, over `split.splits` splits of each row's positions.
     pub fn decode_attention(&self, a: &DecodeAttention, rows: usize, split: &Splits) -> Result<()> {
         let s = &a.shape;
-        let args = Args::new()
-            .ptr(a.qkv)
-            .ptr(a.bias)
-            .ptr(a.inv_freq)
-            .ptr(a.k_cache)
-            .ptr(a.v_cache)
-            .ptr(a.rows.page_table)
-            .u32(a.rows.table_stride as u32)
-            .ptr(a.rows.start_token)
-            .ptr(a.rows.start_pos)
-            .u32(s.heads as u32)
-            .u32(s.kv_heads as u32)
-            .u32(s.page_tokens as u32)
-            .u32(s.window as u32)
-            .f32(s.scale_log2())
-            .ptr(a.out)
+        let args = decode_args(a)
             .ptr(split.o_part)
             .ptr(split.lse_part)
             .ptr(split.done)
@@ -702,23 +687,7 @@ impl Kernels {
     pub fn decode_attention_resident(&self, a: &DecodeAttention, rows: usize) -> Result<()> {
         assert!(a.store_kv && a.row_items.addr() == 0 && self.resident_tiles > 0);
         let s = &a.shape;
-        let args = Args::new()
-            .ptr(a.qkv)
-            .ptr(a.bias)
-            .ptr(a.inv_freq)
-            .ptr(a.k_cache)
-            .ptr(a.v_cache)
-            .ptr(a.rows.page_table)
-            .u32(a.rows.table_stride as u32)
-            .ptr(a.rows.start_token)
-            .ptr(a.rows.start_pos)
-            .u32(s.heads as u32)
-            .u32(s.kv_heads as u32)
-            .u32(s.page_tokens as u32)
-            .u32(s.window as u32)
-            .f32(s.scale_log2())
-            .ptr(a.out)
-            .u32(self.resident_tiles as u32);
+        let args = decode_args(a).u32(self.resident_tiles as u32);
         let grid = (1, s.decode_blocks_per_row() as u32, rows as u32);
         let shared = resident_shared_bytes(s.head_dim, self.resident_tiles) as u32;
         self.device.launch_with_shared(
@@ -1194,6 +1163,27 @@ pub struct DecodeAttention {
     /// work items, [`super::step_meta::StepLayout::decode_items`]), whose q `rope_kv_append`
     /// rotated in place; [`DPtr::NULL`] for the step's rows `0..` with q as projected.
     pub row_items: DPtr<u32>,
+}
+
+/// The arguments both decode attention kernels start with, in their order (decode_attention.cu).
+fn decode_args(a: &DecodeAttention) -> Args {
+    let s = &a.shape;
+    Args::new()
+        .ptr(a.qkv)
+        .ptr(a.bias)
+        .ptr(a.inv_freq)
+        .ptr(a.k_cache)
+        .ptr(a.v_cache)
+        .ptr(a.rows.page_table)
+        .u32(a.rows.table_stride as u32)
+        .ptr(a.rows.start_token)
+        .ptr(a.rows.start_pos)
+        .u32(s.heads as u32)
+        .u32(s.kv_heads as u32)
+        .u32(s.page_tokens as u32)
+        .u32(s.window as u32)
+        .f32(s.scale_log2())
+        .ptr(a.out)
 }
 
 /// Arguments of [`Kernels::prefill_attention`].
