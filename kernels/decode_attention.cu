@@ -287,16 +287,16 @@ __device__ __forceinline__ void attend_keys16(const u32 (*qa)[4], const bf16* ks
 }
 
 // Each warp's softmax state for the g heads into shared memory at `states`, for the block's
-// merge: s_m [warp][head], s_l likewise, then s_acc [warp][head][D]. Returns s_m; the caller
-// waits for every warp before reading.
-template <int D>
+// merge of its WARPS warps: s_m [warp][head], s_l likewise, then s_acc [warp][head][D]. Returns
+// s_m; the caller waits for every warp before reading.
+template <int D, int WARPS>
 __device__ __forceinline__ float* store_warp_states(float* states, u32 g, float m, float l,
                                                     const float (*o)[4]) {
     constexpr int NT = D / 8;
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
     float* s_m = states;
-    float* s_l = s_m + DECODE_WARPS * DECODE_GROUP;
-    float* s_acc = s_l + DECODE_WARPS * DECODE_GROUP;
+    float* s_l = s_m + WARPS * DECODE_GROUP;
+    float* s_acc = s_l + WARPS * DECODE_GROUP;
     if (gid < g) {
         if (tig == 0) s_m[warp * DECODE_GROUP + gid] = m, s_l[warp * DECODE_GROUP + gid] = l;
         float* acc = s_acc + (warp * DECODE_GROUP + gid) * D + tig * 2;
@@ -308,13 +308,13 @@ __device__ __forceinline__ float* store_warp_states(float* states, u32 g, float 
 
 // Thread's merge of the block's warps' states for output element d of head h (states as
 // `store_warp_states` left them): the normalized output, and the log-sum-exp's parts.
-template <int D>
+template <int D, int WARPS>
 __device__ __forceinline__ void merge_warp_states(const float* s_m, u32 h, u32 d, float& mt,
                                                   float& lt, float& ot) {
-    const float* s_l = s_m + DECODE_WARPS * DECODE_GROUP;
-    const float* s_acc = s_l + DECODE_WARPS * DECODE_GROUP;
+    const float* s_l = s_m + WARPS * DECODE_GROUP;
+    const float* s_acc = s_l + WARPS * DECODE_GROUP;
     mt = NEG_INF, lt = 0.f, ot = 0.f;
-    for (int w = 0; w < DECODE_WARPS; ++w) {
+    for (int w = 0; w < WARPS; ++w) {
         u32 at = w * DECODE_GROUP + h;
         merge_state(mt, lt, &ot, s_m[at], s_l[at], &s_acc[at * D + d], 1);
     }
@@ -425,7 +425,7 @@ __device__ void decode_attention(const DecodeArgs& a) {
         asm volatile("cp.async.wait_group 0;");
         __syncthreads();
     }
-    const float* s_m = store_warp_states<D>((float*)decode_tiles, g, m, l, o);
+    const float* s_m = store_warp_states<D, DECODE_WARPS>((float*)decode_tiles, g, m, l, o);
     __syncthreads();
     // This split's normalized output and log-sum-exp, for the cluster's merge.
     static_assert(D <= 128, "s_split_o holds heads of up to 128");
@@ -433,7 +433,7 @@ __device__ void decode_attention(const DecodeArgs& a) {
     for (u32 idx = threadIdx.x; idx < g * D; idx += blockDim.x) {
         u32 h = idx / D, d = idx % D;
         float mt, lt, ot;
-        merge_warp_states<D>(s_m, h, d, mt, lt, ot);
+        merge_warp_states<D, DECODE_WARPS>(s_m, h, d, mt, lt, ot);
         float o = lt > 0.f ? ot / lt : 0.f;
         u32 head = head0 + h;
         if (row.in_cluster) {
@@ -499,15 +499,28 @@ __device__ void decode_attention(const DecodeArgs& a) {
 // after another from shared memory, merged across the warps: no split, no merge between
 // blocks, no load after the wait but the new q/k/v. A short row's attention is then a chain of
 // the prologue and the products, where a cluster of splits spends ~3 µs after its prologue on
-// loads, barriers and the merge; past a few hundred positions the tiles one after another cost
-// more than that (the engine's RESIDENT_MAX_POSITIONS; BENCHMARKS.md, "A short row's
+// loads, barriers and the merge; past some hundreds of positions the tiles one after another
+// cost more than that (the engine's RESIDENT_MAX_POSITIONS; BENCHMARKS.md, "A short row's
 // attention in one block").
 //
+// A tile's 64 keys are RESIDENT_LANES warps' 16 each, as in decode_attention; the block has
+// RESIDENT_WARPS warps, so each set of four takes every other tile, halving the chain. H100,
+// SmolLM2's shape, batch 1, tok/s after contexts of 128 / 384 / 512 (BENCHMARKS.md, "Eight warps"):
+// 4 warps 2,212 / 1,970 / 1,827, 8 warps 2,233 / 2,117 / 2,036, 16 warps 2,092 / 1,996 / 1,926
+// (the merge of more warps and the copies' issue cost more than the shorter chain saves).
+//
 // Dynamic shared memory: `max_tiles` K and V tiles, then the query rows.
+#ifndef RESIDENT_WARPS
+#define RESIDENT_WARPS 8
+#endif
+#define RESIDENT_LANES 4
 template <int D>
 __device__ void decode_attention_resident(const DecodeArgs& a, u32 max_tiles) {
     constexpr int STRIDE = D + 8, KS = D / 16, NT = D / 8, TILE = KEY_TILE * STRIDE;
-    constexpr int WARP_KEYS = KEY_TILE / DECODE_WARPS;
+    // Each tile's keys are split over RESIDENT_LANES warps (16 keys each), and each of the
+    // RESIDENT_WARPS / RESIDENT_LANES sets of warps takes every so-many-th tile.
+    constexpr int LANES = RESIDENT_LANES, SETS = RESIDENT_WARPS / RESIDENT_LANES;
+    constexpr int WARP_KEYS = KEY_TILE / LANES;
     extern __shared__ __align__(16) bf16 decode_tiles[];
     bf16* s_q = decode_tiles + 2 * TILE * max_tiles;
 
@@ -525,8 +538,8 @@ __device__ void decode_attention_resident(const DecodeArgs& a, u32 max_tiles) {
     // earlier steps wrote the others, the step's first kernel the page table.
     for (u32 t = 0; t < n_tiles; ++t) {
         bf16* ks = decode_tiles + t * 2 * TILE;
-        issue_kv_tile<D, DECODE_WARPS * 32>(ks, ks + TILE, a.k_cache, a.v_cache, table,
-                                            a.page_tokens, a.kv_heads, kvh, lo + t * KEY_TILE, pos);
+        issue_kv_tile<D, RESIDENT_WARPS * 32>(ks, ks + TILE, a.k_cache, a.v_cache, table,
+                                              a.page_tokens, a.kv_heads, kvh, lo + t * KEY_TILE, pos);
     }
     float cs[8], sn[8];
     if constexpr (D <= 64) rope_angles<D>(pos, a.inv_freq, cs, sn);
@@ -556,24 +569,24 @@ __device__ void decode_attention_resident(const DecodeArgs& a, u32 max_tiles) {
     float o[NT][4], m = NEG_INF, l = 0.f;
 #pragma unroll
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    for (u32 t = 0; t < n_tiles; ++t) {
+    for (u32 t = warp / LANES; t < n_tiles; t += SETS) {
         const bf16* ks = decode_tiles + t * 2 * TILE;
-        attend_keys16<D>(qa, ks, ks + TILE, lo + t * KEY_TILE, warp * WARP_KEYS, pos + 1,
+        attend_keys16<D>(qa, ks, ks + TILE, lo + t * KEY_TILE, (warp % LANES) * WARP_KEYS, pos + 1,
                          a.scale_log2, lane, m, l, o);
     }
     __syncthreads();  // every warp is done with the tiles: their first holds the warps' states
-    const float* s_m = store_warp_states<D>((float*)decode_tiles, g, m, l, o);
+    const float* s_m = store_warp_states<D, RESIDENT_WARPS>((float*)decode_tiles, g, m, l, o);
     __syncthreads();
     for (u32 idx = threadIdx.x; idx < g * D; idx += blockDim.x) {
         u32 h = idx / D, d = idx % D;
         float mt, lt, ot;
-        merge_warp_states<D>(s_m, h, d, mt, lt, ot);
+        merge_warp_states<D, RESIDENT_WARPS>(s_m, h, d, mt, lt, ot);
         a.out[(u64)token * a.heads * D + (u64)(head0 + h) * D + d] = f32_to_bf16(lt > 0.f ? ot / lt : 0.f);
     }
 }
 
 #define DECODE_RESIDENT_ENTRY(D)                                                                  \
-    extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32, 1)                           \
+    extern "C" __global__ void __launch_bounds__(RESIDENT_WARPS * 32, 1)                         \
         decode_attention_resident_d##D(                                                           \
             const bf16* qkv, const bf16* bias, const float* inv_freq, bf16* k_cache, bf16* v_cache,   \
             const u32* page_table, u32 table_stride, const u32* row_start_token,                  \

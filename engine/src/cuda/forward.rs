@@ -48,21 +48,30 @@ pub const MAX_SPLITS: usize = 128;
 /// ([`Kernels::decode_attention_resident`]).
 pub const RESIDENT: usize = 0;
 
-/// Decode steps of at most this many rows, none longer than [`RESIDENT_MAX_POSITIONS`] (and
-/// than the resident launch holds, [`Kernels::resident_positions`]), take it.
+/// Decode steps of at most this many rows take it: one row as long as the launch holds
+/// ([`Kernels::resident_positions`]), several none longer than [`RESIDENT_MAX_POSITIONS`].
 pub const RESIDENT_MAX_ROWS: usize = 4;
 
-/// Past this many positions a row's tiles, one after another in one block, take longer than
-/// the split launch's cluster does. H100, SmolLM2's shape, tok/s, split → resident (BENCHMARKS:
-/// "A short row's attention in one block"): positions 128 to 448, batch 1 1,857 / 1,851 →
-/// 2,082 / 2,104, batch 4 4,481 / 4,568 → 4,819 / 4,825; positions 512 to 832, batch 1 1,817 /
-/// 1,828 → 1,811 / 1,760, batch 4 4,512 / 4,528 → 4,186 / 4,387.
-pub const RESIDENT_MAX_POSITIONS: usize = 384;
+/// Past this many positions a step of several rows, their tiles one after another in one block
+/// each, takes longer than the split launch's clusters; a lone row gains up to the launch's
+/// capacity. H100, SmolLM2's shape (768 positions a block), eight-warp blocks, tok/s at the 64
+/// positions after each, split → resident, medians of three runs (BENCHMARKS: "Eight warps"):
+///
+/// | positions | batch 1 | batch 2 | batch 4 |
+/// |---|---|---|---|
+/// | 128 | 1,877 → 2,288 | 2,287 → 2,398 | 4,597 → 4,856 |
+/// | 512 | 1,829 → 2,052 | 2,283 → 2,295 | 4,542 → 4,576 |
+/// | 576 | 1,832 → 2,021 | 2,282 → 2,280 | 4,547 → 4,524 |
+/// | 640 | 1,831 → 1,968 | 2,281 → 2,246 | 4,554 → 4,461 |
+/// | 700 | 1,827 → 1,939 | 2,281 → 2,233 | 4,543 → 4,432 |
+pub const RESIDENT_MAX_POSITIONS: usize = 576;
 
 /// Whether a decode launch of `rows` rows none past `longest` positions takes the resident
 /// launch, which holds rows of up to `capacity` positions.
 pub fn takes_resident(rows: usize, longest: usize, capacity: usize) -> bool {
-    rows <= RESIDENT_MAX_ROWS && longest <= capacity.min(RESIDENT_MAX_POSITIONS)
+    rows <= RESIDENT_MAX_ROWS
+        && longest <= capacity
+        && (rows == 1 || longest <= RESIDENT_MAX_POSITIONS)
 }
 
 /// Prefill attention aims for this many blocks per multiprocessor where splitting an item's keys
@@ -749,10 +758,13 @@ mod tests {
 
     #[test]
     fn few_short_rows_take_the_resident_launch() {
-        // SmolLM2's heads hold 768 positions a block (12 tiles); the cut is 384 positions.
+        // SmolLM2's heads hold 768 positions a block (12 tiles): a lone row takes it up to
+        // there, several up to the cut.
         assert!(takes_resident(1, 1, 768));
+        assert!(takes_resident(1, 768, 768));
+        assert!(!takes_resident(1, 769, 768));
         assert!(takes_resident(4, RESIDENT_MAX_POSITIONS, 768));
-        assert!(!takes_resident(1, RESIDENT_MAX_POSITIONS + 1, 768));
+        assert!(!takes_resident(2, RESIDENT_MAX_POSITIONS + 1, 768));
         assert!(!takes_resident(RESIDENT_MAX_ROWS + 1, 64, 768));
         // A launch that holds fewer positions (heads of 128: 384) or none.
         assert!(!takes_resident(1, 300, 256));

@@ -290,6 +290,8 @@ pub struct Kernels {
     decode_attention_resident: CudaFunction,
     /// Tiles of positions the resident decode launch holds a row's K and V in.
     resident_tiles: usize,
+    /// Threads of a resident decode block.
+    resident_threads: u32,
     prefill_attention: CudaFunction,
     merge_attention_splits: CudaFunction,
     sample_rows: CudaFunction,
@@ -321,6 +323,9 @@ impl Kernels {
         device.allow_shared(&decode_attention, decode_shared_bytes(head_dim, 0, 1))?;
         let decode_attention_resident = f(&format!("decode_attention_resident_d{head_dim}"))?;
         let resident_tiles = resident_tiles(head_dim, device.max_block_shared);
+        // Its block is as many warps as decode_attention.cu's RESIDENT_WARPS, which its launch
+        // bounds tell.
+        let resident_threads = decode_attention_resident.max_threads_per_block()? as u32;
         if resident_tiles > 0 {
             device.allow_shared(
                 &decode_attention_resident,
@@ -366,6 +371,7 @@ impl Kernels {
             decode_attention,
             decode_attention_resident,
             resident_tiles,
+            resident_threads,
             prefill_attention,
             merge_attention_splits: f("merge_attention_splits")?,
             sample_rows: f("sample_rows")?,
@@ -693,7 +699,7 @@ impl Kernels {
         self.device.launch_with_shared(
             &self.decode_attention_resident,
             grid,
-            ATTENTION_THREADS,
+            self.resident_threads,
             shared,
             &args,
         )
