@@ -128,9 +128,12 @@ use snapshots::{ArenaSizes, Backings, PoolPages};
 use step_meta::{LogitSelection, MetaCapacity, PackRequest, StepLayout, StepMeta};
 use weights::{GpuWeights, Matrix, WeightLayout};
 
-/// Steps of one token use the gemv kernel: measured on an H200 (BENCHMARKS.md), it serves
-/// SmolLM2's batch-1 decode 22% faster than cuBLAS, but batches of 8 slower.
-pub const DEFAULT_GEMV_MAX_TOKENS: usize = 1;
+/// Steps of up to four tokens use the gemv kernels. H100, tok/s, decode at a context of 512,
+/// cuBLAS → gemv (BENCHMARKS.md, "The gemv for steps of two to four tokens"): SmolLM2 batch 2
+/// 2,248 → 3,115, batch 4 4,596 → 4,992; the 8B shape (on the tensor-core gemv) batch 2 318
+/// → 356, batch 4 630 → 703. At eight the 8B still gains (1,236 → 1,378) but SmolLM2's
+/// CUDA-core gemv loses a third (9,069 → 5,797 at a context of 128), so eight stay on cuBLAS.
+pub const DEFAULT_GEMV_MAX_TOKENS: usize = 4;
 /// From this hidden size on, one-token steps run their small projections on the tensor-core
 /// gemv (kernels/gemv_tc.cu) even where batch invariance is not asked for: with rows this long
 /// it is the faster of the two (H200, batch 1: the 8B shape 4.05 against 4.19 ms a step), with
