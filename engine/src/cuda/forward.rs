@@ -74,6 +74,31 @@ pub fn takes_resident(rows: usize, longest: usize, capacity: usize) -> bool {
         && (rows == 1 || longest <= RESIDENT_MAX_POSITIONS)
 }
 
+/// Steps of at least this many tokens run their bf16 projections the gemv serves on the
+/// tensor-core gemv (rows a multiple of [`GEMV_TC_CHUNK`] long), whatever the model: the
+/// CUDA-core gemv's time grows with the tokens where the tensor cores' does not. H100,
+/// SmolLM2's shape, tok/s at a context of 128, CUDA-core → tensor-core gemv (BENCHMARKS: "The
+/// gemv for steps of two to eight tokens"): batch 2 3,629 → 4,040, batch 4 5,206 → 7,433,
+/// batch 8 5,807 → 12,202 (cuBLAS 8,939). A one-token step of a small model keeps the
+/// CUDA-core gemv, faster there ([`super::TENSOR_CORE_GEMV_MIN_HIDDEN`]).
+pub const TENSOR_CORE_GEMV_MIN_TOKENS: usize = 2;
+
+/// Whether a bf16 projection of `shape` the gemv serves runs on the tensor-core one: always
+/// where `exact` (its rows then divide: [`Forward::gemv_serves`]), else for steps of several
+/// tokens whose rows divide into its chunks.
+pub fn takes_tensor_core_gemv(exact: bool, shape: Linear) -> bool {
+    exact
+        || (shape.tokens >= TENSOR_CORE_GEMV_MIN_TOKENS
+            && shape.in_features.is_multiple_of(GEMV_TC_CHUNK))
+}
+
+/// FP8 weights have no tensor-core gemv: steps of more tokens than this take cuBLASLt's FP8
+/// product rather than the CUDA-core FP8 gemv (the backend caps `gemv_max_tokens` with it).
+/// H100, the 8B shape at a context of 512, tok/s with the gemv up to 1 / 4 / 8 tokens
+/// (BENCHMARKS: "The gemv for steps of two to eight tokens"): batch 2 402 / 460 / 459, batch 4
+/// 809 / 689 / 683, batch 8 1,586 / 1,584 / 894.
+pub const FP8_GEMV_MAX_TOKENS: usize = 2;
+
 /// Prefill attention aims for this many blocks per multiprocessor where splitting an item's keys
 /// over blocks can make them: too few blocks leave the loads of a long context waiting on
 /// latency (8B, 32 new tokens after 32,000 restored: 68.5 ms to first token unsplit, 15 ms).
@@ -362,11 +387,14 @@ impl Forward<'_> {
     }
 
     /// The gemv this pass uses: the FP8 one for FP8 weights, else the tensor-core one when
-    /// `exact`.
+    /// `exact` or for steps of several tokens whose rows divide into its chunks
+    /// ([`TENSOR_CORE_GEMV_MIN_TOKENS`]), else the CUDA-core one.
     fn gemv(&self, input: GemvInput, w: Matrix, output: GemvOutput, shape: Linear) -> Result<()> {
         match w {
             Matrix::Fp8 { w, scales } => self.kernels.gemv_fp8(input, w, scales, output, shape),
-            Matrix::Bf16(w) if self.exact => self.kernels.gemv_tc(input, w, output, shape),
+            Matrix::Bf16(w) if takes_tensor_core_gemv(self.exact, shape) => {
+                self.kernels.gemv_tc(input, w, output, shape)
+            }
             Matrix::Bf16(w) => self.kernels.gemv(input, w, output, shape),
         }
     }
@@ -754,6 +782,23 @@ mod tests {
             }
         }
         assert!(pairs <= 256 + 33);
+    }
+
+    #[test]
+    fn steps_of_several_tokens_take_the_tensor_core_gemv() {
+        let shape = |tokens, in_features| Linear {
+            tokens,
+            in_features,
+            out_features: 576,
+        };
+        // SmolLM2's rows (576, 1,536) divide into chunks of 64: one token on the CUDA cores,
+        // more on the tensor cores, and every count where `exact`.
+        assert!(!takes_tensor_core_gemv(false, shape(1, 576)));
+        assert!(takes_tensor_core_gemv(false, shape(2, 576)));
+        assert!(takes_tensor_core_gemv(false, shape(8, 1536)));
+        assert!(takes_tensor_core_gemv(true, shape(1, 576)));
+        // Rows that do not divide stay on the CUDA cores.
+        assert!(!takes_tensor_core_gemv(false, shape(4, 584)));
     }
 
     #[test]

@@ -128,12 +128,13 @@ use snapshots::{ArenaSizes, Backings, PoolPages};
 use step_meta::{LogitSelection, MetaCapacity, PackRequest, StepLayout, StepMeta};
 use weights::{GpuWeights, Matrix, WeightLayout};
 
-/// Steps of up to four tokens use the gemv kernels. H100, tok/s, decode at a context of 512,
-/// cuBLAS → gemv (BENCHMARKS.md, "The gemv for steps of two to four tokens"): SmolLM2 batch 2
-/// 2,248 → 3,115, batch 4 4,596 → 4,992; the 8B shape (on the tensor-core gemv) batch 2 318
-/// → 356, batch 4 630 → 703. At eight the 8B still gains (1,236 → 1,378) but SmolLM2's
-/// CUDA-core gemv loses a third (9,069 → 5,797 at a context of 128), so eight stay on cuBLAS.
-pub const DEFAULT_GEMV_MAX_TOKENS: usize = 4;
+/// Steps of up to eight tokens (all the gemv kernels take) use them: one token the CUDA-core
+/// gemv for a small model, more the tensor-core one ([`forward::TENSOR_CORE_GEMV_MIN_TOKENS`]).
+/// H100, tok/s at a context of 512, cuBLAS → gemv (BENCHMARKS.md, "The gemv for steps of two
+/// to eight tokens"): SmolLM2 batch 2 2,238 → 3,963, batch 4 4,523 → 7,608, batch 8 8,706 →
+/// 11,303; the 8B shape batch 2 321 → 358, batch 4 637 → 701, batch 8 1,252 → 1,378. FP8
+/// weights stop sooner ([`forward::FP8_GEMV_MAX_TOKENS`]).
+pub const DEFAULT_GEMV_MAX_TOKENS: usize = 8;
 /// From this hidden size on, one-token steps run their small projections on the tensor-core
 /// gemv (kernels/gemv_tc.cu) even where batch invariance is not asked for: with rows this long
 /// it is the faster of the two (H200, batch 1: the 8B shape 4.05 against 4.19 ms a step), with
@@ -523,7 +524,11 @@ impl CudaBackend {
             weights,
             kernels,
             device,
-            gemv_max_tokens: options.gemv_max_tokens.min(kernels::GEMV_MAX_TOKENS),
+            gemv_max_tokens: options.gemv_max_tokens.min(if options.fp8_weights {
+                forward::FP8_GEMV_MAX_TOKENS
+            } else {
+                kernels::GEMV_MAX_TOKENS
+            }),
             gemv_max_weight_bytes: options.gemv_max_weight_bytes,
             exact_verify: options.exact_verify,
             tensor_core_gemv,
@@ -818,13 +823,14 @@ impl CudaBackend {
         sample_params: &[u32],
     ) -> Result<(StepLayout, bool)> {
         let decode = plan.rows.iter().all(|r| r.tokens.len() == 1);
-        // A graph keeps the launches it was captured with: bucket 1 is the only small one.
-        let small = plan.total_tokens() <= self.gemv_max_tokens;
-        self.device
-            .set_programmatic_launch(self.programmatic_launch && small);
         let max_rows = self.ws.sizes.rows.min(self.ws.sizes.logit_rows);
         let bucket =
             graphs::bucket(plan.rows.len(), max_rows).filter(|_| decode && self.graphs.is_some());
+        // A graph keeps the launches it was captured with, and runs its bucket's rows (padding
+        // included): a replayed step launches as its bucket's size does.
+        let small = bucket.unwrap_or(plan.total_tokens()) <= self.gemv_max_tokens;
+        self.device
+            .set_programmatic_launch(self.programmatic_launch && small);
         if let Some(bucket) = bucket {
             return self.replay_decode(plan, bucket, sample_params, false);
         }
@@ -988,11 +994,12 @@ impl CudaBackend {
             drawn.push(after);
         }
         let invariant = self.verify_invariant(rows);
-        let small = rows <= self.gemv_max_tokens || invariant;
+        let bucket = graphs::bucket(rows, max_rows).filter(|_| self.graphs.is_some());
+        // As `execute`: a replayed graph launches as its bucket's size does.
+        let small = bucket.unwrap_or(rows) <= self.gemv_max_tokens || invariant;
         self.device
             .set_programmatic_launch(self.programmatic_launch && small);
         self.last_replay = None;
-        let bucket = graphs::bucket(rows, max_rows).filter(|_| self.graphs.is_some());
         // A graph is captured the first time its bucket verifies; if that fails (another
         // thread's call into the driver can break a capture), the step runs eagerly and the
         // next one captures again.
