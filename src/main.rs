@@ -159,8 +159,9 @@ struct BenchArgs {
     #[arg(long, default_value_t = engine::cuda::forward::GEMV_MAX_WEIGHT_BYTES >> 20)]
     gemv_max_weight_mib: usize,
 
-    /// The projection weights' format on the GPU, as `[engine] quantization` sets it for the
-    /// server: none (bf16) or fp8 (e4m3, a scale a weight row and a token).
+    /// How the projections run quantized, as `[engine] quantization` sets it for the server:
+    /// none, fp8 on the GPU (e4m3 weights, a scale a weight row and a token), int8 on the CPU
+    /// (a folder's GGUF blocks by input rows quantized to 8 bits, in integers).
     #[arg(long, value_enum, default_value = "none")]
     quantization: QuantizationArg,
 }
@@ -170,6 +171,14 @@ struct BenchArgs {
 enum QuantizationArg {
     None,
     Fp8,
+    Int8,
+}
+
+/// `generate --quantization`: what the CPU has.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum CpuQuantizationArg {
+    None,
+    Int8,
 }
 
 /// `--backend`.
@@ -358,6 +367,11 @@ struct GenerateArgs {
     #[arg(long)]
     threads: Option<usize>,
 
+    /// int8: multiply the model's GGUF blocks by input rows quantized to 8 bits, in integers
+    /// (faster decode, logits within about 2%); none: exactly.
+    #[arg(long, value_enum, default_value = "none")]
+    quantization: CpuQuantizationArg,
+
     /// Speculative decoding: verify up to this many tokens drafted by prompt lookup (the
     /// latest earlier occurrence of the last 2-3 tokens) with each step [default: off]. The
     /// text is unchanged; a text that repeats its input is generated faster.
@@ -380,8 +394,9 @@ struct FetchModelArgs {
     dtype: DType,
 
     /// Keep the GGUF's quantized matrices (Q4_1, Q8_0) in their blocks; the rest is --dtype.
-    /// The CPU backend multiplies them as they are, with the bits of the f32 conversion; the
-    /// CUDA backend decodes them to bf16 at load. Written to a folder named `...-blocks`.
+    /// The CPU backend multiplies them as they are, with the bits of the f32 conversion (or,
+    /// with `quantization = "int8"`, in integers by 8-bit inputs); the CUDA backend decodes
+    /// them to bf16 at load. Written to a folder named `...-blocks`.
     #[arg(long)]
     keep_blocks: bool,
 
@@ -826,6 +841,7 @@ fn generate_text(cache_dir: &Path, args: GenerateArgs) -> Result<()> {
     if let Some(threads) = args.threads {
         options.threads = threads;
     }
+    options.int8_inputs = args.quantization == CpuQuantizationArg::Int8;
     eprintln!(
         "loading {} on the CPU ({} threads)",
         dir.display(),
@@ -896,6 +912,10 @@ fn bench(cache_dir: &Path, args: BenchArgs) -> Result<()> {
         seed: 0,
     };
     let mut backend: Box<dyn Backend> = if cuda {
+        anyhow::ensure!(
+            args.quantization != QuantizationArg::Int8,
+            "--quantization int8 runs on the CPU only (--backend cpu); the GPU has fp8"
+        );
         spec.prefill_chunk = spec
             .prompt_lengths
             .iter()
@@ -910,7 +930,7 @@ fn bench(cache_dir: &Path, args: BenchArgs) -> Result<()> {
             "--random-weights draws the weights on the GPU; no usable GPU was found"
         );
         anyhow::ensure!(
-            args.quantization == QuantizationArg::None,
+            args.quantization != QuantizationArg::Fp8,
             "--quantization fp8 runs on the GPU only; no usable GPU was found (or --backend cpu)"
         );
         let dir = model_dir(cache_dir, args.model, DType::BF16, true)?;
@@ -919,10 +939,16 @@ fn bench(cache_dir: &Path, args: BenchArgs) -> Result<()> {
         if let Some(threads) = args.threads {
             options.threads = threads;
         }
+        options.int8_inputs = args.quantization == QuantizationArg::Int8;
         println!(
-            "snapserve bench: {} on the CPU, {} threads",
+            "snapserve bench: {} on the CPU, {} threads{}",
             dir.display(),
-            options.threads
+            options.threads,
+            if options.int8_inputs {
+                ", int8 inputs"
+            } else {
+                ""
+            }
         );
         Box::new(CpuBackend::load(&model, &options)?)
     };

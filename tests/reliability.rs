@@ -290,8 +290,8 @@ fn an_overload_with_disconnects_leaves_the_server_idle() {
     server.stop_gracefully();
 }
 
-/// Tensor parallelism asked of a server that cannot have it: refused before it serves, with
-/// the reason, and a non-zero exit.
+/// Quantization asked of a server that cannot have it (FP8 without a GPU, int8 without GGUF
+/// blocks): refused before it serves, with the reason, and a non-zero exit.
 #[test]
 fn fp8_weights_without_a_gpu_are_refused_with_the_reason() {
     let model = smollm2();
@@ -330,6 +330,12 @@ fn fp8_weights_without_a_gpu_are_refused_with_the_reason() {
         bench.contains("--quantization fp8 runs on the GPU only"),
         "{bench}"
     );
+    // The CPU's integer products need a folder that keeps the GGUF's blocks; this one is bf16.
+    let int8 = dir.path().join("int8.toml");
+    std::fs::write(&int8, "[engine]\nquantization = \"int8\"\n").unwrap();
+    let int8 = int8.to_str().unwrap();
+    let serve = refused(&["serve", "--port", "0", "--backend", "cpu", "--config", int8]);
+    assert!(serve.contains("fetch-model --keep-blocks"), "{serve}");
 }
 
 #[test]

@@ -203,7 +203,7 @@ fn describe() {
             "snapserve_engine_info",
             Unit::Count,
             "Always 1; its labels say what the engine runs: backend (cpu, cuda), quantization \
-             (none, fp8) and tensor_parallel (GPUs a model is split over).",
+             (none, fp8, int8) and tensor_parallel (GPUs a model is split over).",
         ),
         (
             "snapserve_memory_bytes",
@@ -248,6 +248,7 @@ pub fn engine_info(backend: &str, quantization: policy::Quantization, tensor_par
     let quantization = match quantization {
         policy::Quantization::None => "none",
         policy::Quantization::Fp8 => "fp8",
+        policy::Quantization::Int8 => "int8",
     };
     gauge!(
         "snapserve_engine_info",

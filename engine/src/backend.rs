@@ -609,6 +609,7 @@ mod tests {
             threads: 1,
             page_tokens: 16,
             num_pages: 8,
+            int8_inputs: false,
         };
         let plan = StepPlan {
             rows: vec![RowPlan {

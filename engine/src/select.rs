@@ -52,6 +52,14 @@ pub fn load(
                 .into(),
         ));
     }
+    if resolved == Resolved::Cuda && cpu.int8_inputs {
+        return Err(EngineError::Quantization(
+            "quantization = \"int8\" runs on the CPU backend only (it multiplies the GGUF's \
+             blocks, which the GPU decodes to bf16 at load): set `[engine] backend = \"cpu\"`, or \
+             use \"fp8\" on the GPU"
+                .into(),
+        ));
+    }
     if resolved == Resolved::Cpu && cuda.tensor_parallel > 1 {
         return Err(EngineError::TensorParallel(format!(
             "tensor_parallel = {} splits the model over GPUs: it needs the CUDA backend",

@@ -50,6 +50,7 @@ fn check(arch: &str, expect_architecture: Architecture) -> ModelConfig {
             threads: 2,
             page_tokens: 4,
             num_pages: 16,
+            int8_inputs: false,
         },
     )
     .unwrap();
@@ -117,6 +118,7 @@ fn a_verification_row_over_a_sliding_window_writes_what_one_token_steps_write() 
         threads: 2,
         page_tokens: 4,
         num_pages: 16,
+        int8_inputs: false,
     };
     let ids = expected(&dir).ids;
     assert!(ids.len() >= 28);

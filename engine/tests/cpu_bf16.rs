@@ -23,6 +23,7 @@ fn backend(dir: &Path) -> CpuBackend {
         threads: 2,
         page_tokens: PAGE,
         num_pages: 8,
+        int8_inputs: false,
     };
     CpuBackend::load(&model, &options).unwrap()
 }

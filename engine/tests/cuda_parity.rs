@@ -31,6 +31,7 @@ fn cpu(model: &ModelFiles) -> CpuBackend {
         threads,
         page_tokens: PAGE,
         num_pages: PAGES,
+        int8_inputs: false,
     };
     CpuBackend::load(model, &options).unwrap()
 }

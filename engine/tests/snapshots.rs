@@ -19,6 +19,7 @@ fn tiny_backend() -> (tempfile::TempDir, CpuBackend) {
             threads: 2,
             page_tokens: PAGE,
             num_pages: 32,
+            int8_inputs: false,
         },
     )
     .unwrap();

@@ -20,6 +20,7 @@ fn backend(files: &ModelFiles, pages: usize) -> CpuBackend {
             threads: 2,
             page_tokens: 16,
             num_pages: pages,
+            int8_inputs: false,
         },
     )
     .unwrap()

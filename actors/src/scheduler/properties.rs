@@ -264,6 +264,7 @@ impl World {
             threads: 1,
             page_tokens: 16,
             num_pages: setup.pages,
+            int8_inputs: false,
         };
         let inner = CpuBackend::load(&files, &options).unwrap();
         let page_bytes = inner.info().geometry.page_bytes() as u64;

@@ -36,6 +36,7 @@ impl Harness {
                 threads: 1,
                 page_tokens: 16,
                 num_pages: pages,
+                int8_inputs: false,
             },
         )
         .unwrap();

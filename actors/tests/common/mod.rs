@@ -56,6 +56,7 @@ pub fn cpu_backend(files: &ModelFiles, pages: usize) -> CpuBackend {
             threads: 2,
             page_tokens: PAGE,
             num_pages: pages,
+            int8_inputs: false,
         },
     )
     .unwrap()

@@ -20,17 +20,17 @@ use super::matmul::Weight;
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[repr(C)]
 pub struct BlockQ4_1 {
-    d: f16,
-    m: f16,
-    qs: [u8; 16],
+    pub(super) d: f16,
+    pub(super) m: f16,
+    pub(super) qs: [u8; 16],
 }
 
 /// 32 weights `d · q`, `q` a signed byte.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[repr(C)]
 pub struct BlockQ8_0 {
-    d: f16,
-    qs: [i8; 32],
+    pub(super) d: f16,
+    pub(super) qs: [i8; 32],
 }
 
 /// Bytes of one block in a GGUF file.

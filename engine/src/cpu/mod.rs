@@ -7,6 +7,7 @@
 
 mod attention;
 pub mod blocks;
+pub mod int8;
 pub mod kernels;
 pub mod matmul;
 #[cfg(test)]
@@ -35,6 +36,10 @@ pub struct CpuOptions {
     pub threads: usize,
     pub page_tokens: usize,
     pub num_pages: usize,
+    /// Multiply weights kept in the GGUF's blocks by input rows quantized to 8 bits, in
+    /// integers ([`int8`], `[engine] quantization = "int8"`), rather than exactly; a folder
+    /// without blocks is refused.
+    pub int8_inputs: bool,
 }
 
 impl CpuOptions {
@@ -68,6 +73,7 @@ impl CpuOptions {
             threads,
             page_tokens,
             num_pages: tokens.div_ceil(page_tokens).max(1),
+            int8_inputs: engine.quantization == policy::Quantization::Int8,
         }
     }
 
@@ -78,6 +84,7 @@ impl CpuOptions {
             threads,
             page_tokens: 16,
             num_pages: tokens.div_ceil(16),
+            int8_inputs: false,
         }
     }
 }
@@ -166,8 +173,17 @@ impl CpuBackend {
                     options.threads
                 ))
             })?;
+        let weights = CpuWeights::load(weights, &config, options.int8_inputs)?;
+        if options.int8_inputs && !weights.has_blocks() {
+            return Err(EngineError::Quantization(
+                "quantization = \"int8\" multiplies weights kept in the GGUF's Q4_1/Q8_0 blocks, \
+                 and this model has none: use a folder converted with `snapserve fetch-model \
+                 --keep-blocks` (the embedded model's CPU default), or leave it unset"
+                    .into(),
+            ));
+        }
         Ok(Self {
-            weights: CpuWeights::load(weights, &config)?,
+            weights,
             kv: KvPages::new(geometry, options.num_pages),
             backings: HashMap::new(),
             verdicts: Vec::new(),

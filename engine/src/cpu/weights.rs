@@ -1,7 +1,9 @@
 //! The CPU backend's weights, q/k/v and gate/up fused. Matrices stay bf16, or in their GGUF's
-//! Q4_1 or Q8_0 blocks, where the checkpoint stores them so (a decode step reads half the bytes,
-//! or a fifth, and [`matmul`] widens each weight to f32 exactly, so the products are the bits
-//! the f32 copy would give); everything else is decoded to f32 once.
+//! Q4_1 or Q8_0 blocks, where the checkpoint stores them so: a decode step reads half the
+//! bytes, or a fifth. bf16 weights are widened to f32 exactly in the products ([`matmul`]), so
+//! those are the bits the f32 copy would give; blocks multiply input rows quantized to 8 bits
+//! in integers ([`int8`]), as llama.cpp does, within a documented tolerance of the f32 copy.
+//! Everything else is decoded to f32 once.
 //!
 //! Fusing means one pass over the normalized activations feeds three (or two) projections:
 //! the rows of q, k and v (gate and up) are simply concatenated, since a weight is `[out, in]`.
@@ -9,6 +11,7 @@
 use half::bf16;
 
 use super::blocks::{BlockQ4_1, BlockQ8_0};
+use super::int8;
 use super::matmul::{self, Weight};
 use crate::error::Result;
 use crate::model::{BlockType, ModelConfig, Weights};
@@ -19,6 +22,9 @@ pub enum Matrix {
     Bf16(Vec<bf16>),
     Q4_1(Vec<BlockQ4_1>),
     Q8_0(Vec<BlockQ8_0>),
+    /// Blocks multiplied by input rows quantized to 8 bits ([`int8`]).
+    Int8Q4_1(Vec<BlockQ4_1>),
+    Int8Q8_0(Vec<BlockQ8_0>),
 }
 
 impl Matrix {
@@ -26,19 +32,38 @@ impl Matrix {
         match self {
             Matrix::F32(w) => std::mem::size_of_val(w.as_slice()),
             Matrix::Bf16(w) => std::mem::size_of_val(w.as_slice()),
-            Matrix::Q4_1(w) => std::mem::size_of_val(w.as_slice()),
-            Matrix::Q8_0(w) => std::mem::size_of_val(w.as_slice()),
+            Matrix::Q4_1(w) | Matrix::Int8Q4_1(w) => std::mem::size_of_val(w.as_slice()),
+            Matrix::Q8_0(w) | Matrix::Int8Q8_0(w) => std::mem::size_of_val(w.as_slice()),
         }
     }
 
-    /// `out[t, n] = x[t, k] · selfᵀ` ([`matmul::matmul`]).
+    /// `out[t, n] = x[t, k] · selfᵀ`: [`matmul::matmul`], or for `Int8` blocks
+    /// [`int8::matmul`] (input rows quantized to 8 bits, integer products).
     pub fn matmul(&self, x: &[f32], rows: usize, k: usize, n: usize, out: &mut [f32]) {
         match self {
             Matrix::F32(w) => matmul::matmul(x, rows, k, w, n, out),
             Matrix::Bf16(w) => matmul::matmul(x, rows, k, w, n, out),
             Matrix::Q4_1(w) => matmul::matmul(x, rows, k, w, n, out),
             Matrix::Q8_0(w) => matmul::matmul(x, rows, k, w, n, out),
+            Matrix::Int8Q4_1(w) => int8::matmul(x, rows, k, w, n, out),
+            Matrix::Int8Q8_0(w) => int8::matmul(x, rows, k, w, n, out),
         }
+    }
+
+    /// The same matrix, its blocks (if any) multiplied by 8-bit input rows.
+    fn with_int8_inputs(self) -> Matrix {
+        match self {
+            Matrix::Q4_1(w) => Matrix::Int8Q4_1(w),
+            Matrix::Q8_0(w) => Matrix::Int8Q8_0(w),
+            m => m,
+        }
+    }
+
+    fn is_blocks(&self) -> bool {
+        matches!(
+            self,
+            Matrix::Q4_1(_) | Matrix::Q8_0(_) | Matrix::Int8Q4_1(_) | Matrix::Int8Q8_0(_)
+        )
     }
 
     /// Appends row `r` (of `cols`) as f32.
@@ -51,8 +76,8 @@ impl Matrix {
         match self {
             Matrix::F32(w) => out.extend_from_slice(&w[r * cols..(r + 1) * cols]),
             Matrix::Bf16(w) => widen(w, r, cols, out),
-            Matrix::Q4_1(w) => widen(w, r, cols, out),
-            Matrix::Q8_0(w) => widen(w, r, cols, out),
+            Matrix::Q4_1(w) | Matrix::Int8Q4_1(w) => widen(w, r, cols, out),
+            Matrix::Q8_0(w) | Matrix::Int8Q8_0(w) => widen(w, r, cols, out),
         }
     }
 }
@@ -81,7 +106,40 @@ pub struct CpuWeights {
 }
 
 impl CpuWeights {
-    pub fn load(weights: &Weights, c: &ModelConfig) -> Result<Self> {
+    /// Loads the weights; with `int8_inputs`, matrices in blocks multiply input rows quantized
+    /// to 8 bits ([`int8`]).
+    pub fn load(weights: &Weights, c: &ModelConfig, int8_inputs: bool) -> Result<Self> {
+        let mut loaded = Self::load_exact(weights, c)?;
+        if int8_inputs {
+            loaded.embed = loaded.embed.with_int8_inputs();
+            loaded.lm_head = loaded.lm_head.map(Matrix::with_int8_inputs);
+            for layer in &mut loaded.layers {
+                for m in [
+                    &mut layer.wqkv,
+                    &mut layer.wo,
+                    &mut layer.w_gate_up,
+                    &mut layer.w_down,
+                ] {
+                    *m = std::mem::replace(m, Matrix::F32(Vec::new())).with_int8_inputs();
+                }
+            }
+        }
+        Ok(loaded)
+    }
+
+    /// Whether any matrix is kept in blocks.
+    pub fn has_blocks(&self) -> bool {
+        let layers = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down]);
+        layers
+            .chain([&self.embed])
+            .chain(self.lm_head.as_ref())
+            .any(Matrix::is_blocks)
+    }
+
+    fn load_exact(weights: &Weights, c: &ModelConfig) -> Result<Self> {
         let h = c.hidden_size;
         let layers = (0..c.num_layers)
             .map(|i| load_layer(weights, c, i))
