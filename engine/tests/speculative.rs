@@ -7,27 +7,39 @@ mod common;
 use engine::DType;
 use engine::chat::ChatMessage;
 use engine::cpu::{CpuBackend, CpuOptions};
+use engine::fetch;
 use engine::generate::{Generation, Speculation, Vocabulary, generate_speculative};
 use engine::model::ModelFiles;
 use engine::model::synthetic::{self, SyntheticSpec};
 use engine::sampling::{Sampler, SamplingParams};
 use engine::speculative::PromptLookup;
 
-fn backend(files: &ModelFiles, pages: usize) -> CpuBackend {
+fn backend(files: &ModelFiles, pages: usize, int8_inputs: bool) -> CpuBackend {
     CpuBackend::load(
         files,
         &CpuOptions {
             threads: 2,
             page_tokens: 16,
             num_pages: pages,
-            int8_inputs: false,
+            int8_inputs,
         },
     )
     .unwrap()
 }
 
 fn run(files: &ModelFiles, prompt: &[u32], params: &SamplingParams, speculate: bool) -> Generation {
-    let mut backend = backend(files, (prompt.len() + params.max_tokens).div_ceil(16) + 2);
+    run_on(files, prompt, params, speculate, false)
+}
+
+fn run_on(
+    files: &ModelFiles,
+    prompt: &[u32],
+    params: &SamplingParams,
+    speculate: bool,
+    int8_inputs: bool,
+) -> Generation {
+    let pages = (prompt.len() + params.max_tokens).div_ceil(16) + 2;
+    let mut backend = backend(files, pages, int8_inputs);
     let vocab = Vocabulary {
         tokenizer: &files.tokenizer,
         eos_token_ids: &files.eos_token_ids,
@@ -92,7 +104,22 @@ fn speculation_changes_no_token_on_a_batch_invariant_backend() {
 #[test]
 fn smollm2_repeating_a_given_text_keeps_most_drafts_and_the_same_text() {
     let dir = common::smollm2(DType::F32);
-    let files = ModelFiles::open(&dir).unwrap();
+    repeat_a_given_text(&ModelFiles::open(&dir).unwrap(), false);
+}
+
+/// The CPU's integer products (`quantization = "int8"`) are batch-invariant too: a
+/// verification's rows are the bits of one-token steps, so speculation changes no token.
+#[test]
+fn smollm2_on_integer_products_speculates_the_same_text() {
+    let options = fetch::FetchOptions {
+        keep_blocks: true,
+        ..fetch::FetchOptions::new(common::cache_dir(), DType::F32)
+    };
+    let dir = fetch::fetch(&fetch::SMOLLM2, &options).unwrap();
+    repeat_a_given_text(&ModelFiles::open(&dir).unwrap(), true);
+}
+
+fn repeat_a_given_text(files: &ModelFiles, int8_inputs: bool) {
     let text = "The snapshot store keeps the KV of prompt prefixes in their own buffers, \
                 charged against a byte budget before they are allocated and evicted by least \
                 recent use. A restore copies a snapshot into any free pages of the working pool.";
@@ -111,8 +138,8 @@ fn smollm2_repeating_a_given_text_keeps_most_drafts_and_the_same_text() {
         max_tokens: 60,
         ..SamplingParams::default()
     };
-    let plain = run(&files, &prompt, &params, false);
-    let fast = run(&files, &prompt, &params, true);
+    let plain = run_on(files, &prompt, &params, false, int8_inputs);
+    let fast = run_on(files, &prompt, &params, true, int8_inputs);
     assert_eq!(fast.text, plain.text);
     assert_eq!(fast.tokens, plain.tokens);
     let kept = fast.accepted as f64 / fast.drafted.max(1) as f64;
