@@ -225,35 +225,8 @@ mod x86 {
 mod tests {
     use super::*;
     use crate::cpu::matmul::assert_widening_exact;
-    use crate::cpu::test_data::pseudo_random;
-    use crate::gguf::{TensorType, dequant};
-
-    /// GGUF bytes of `blocks` blocks of `ty` with scales, minima and values drawn from `seed`.
-    fn file_blocks(ty: TensorType, blocks: usize, seed: u32) -> Vec<u8> {
-        let noise = pseudo_random(blocks * 34, seed);
-        let mut bytes = Vec::new();
-        for b in 0..blocks {
-            let r = &noise[b * 34..];
-            bytes.extend(f16::from_f32(r[0] * 0.05).to_le_bytes());
-            match ty {
-                TensorType::Q4_1 => {
-                    bytes.extend(f16::from_f32(r[1] * 0.3).to_le_bytes());
-                    bytes.extend((0..16).map(|j| ((r[2 + j].abs() * 1e4) as u32 % 256) as u8));
-                }
-                TensorType::Q8_0 => {
-                    bytes.extend((0..32).map(|j| ((r[2 + j].abs() * 1e4) as u32 % 256) as u8));
-                }
-                _ => unreachable!("only the two block types"),
-            }
-        }
-        bytes
-    }
-
-    fn dequantized(ty: TensorType, bytes: &[u8], elements: usize) -> Vec<f32> {
-        let mut out = vec![0f32; elements];
-        assert!(dequant::dequantize(ty, bytes, &mut out));
-        out
-    }
+    use crate::cpu::test_data::{dequantized, file_blocks, pseudo_random};
+    use crate::gguf::TensorType;
 
     /// A product over blocks gives the bits of the product over the dequantized f32 matrix, on
     /// every instruction set, for one input row (decode) and several (prefill tiles).

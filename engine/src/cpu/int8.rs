@@ -42,7 +42,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::blocks::{BlockQ4_1, BlockQ8_0};
-use super::matmul::Isa;
+use super::matmul::{Isa, OutPtr};
 
 /// Values a quantized input block holds, as a weight block does.
 pub const BLOCK: usize = 32;
@@ -57,9 +57,6 @@ pub trait IntBlock: Copy + Send + Sync + 'static {
     /// The minimum `m`, zero for a type without one.
     fn min(&self) -> f16;
 
-    /// The eight sums `Σ_{j=4l}^{4l+3} q_j · x_j` of the block's values with `x`.
-    fn lane_sums(&self, x: &[i8; BLOCK]) -> [i32; 8];
-
     /// The 32 values, one a byte in order, as [`IntBlock::load_avx2`] loads them (a signed
     /// value as its two's-complement byte).
     fn unpack(&self) -> [u8; BLOCK];
@@ -71,8 +68,8 @@ pub trait IntBlock: Copy + Send + Sync + 'static {
     #[cfg(target_arch = "x86_64")]
     unsafe fn load_avx2(&self) -> std::arch::x86_64::__m256i;
 
-    /// [`IntBlock::lane_sums`] of values loaded by [`IntBlock::load_avx2`] with 32 signed
-    /// bytes `x`, in eight i32 lanes.
+    /// The eight sums `Σ_{j=4l}^{4l+3} q_j · x_j` of values loaded by
+    /// [`IntBlock::load_avx2`] with 32 signed bytes `x`, in eight i32 lanes.
     ///
     /// # Safety
     /// The CPU must have AVX2.
@@ -94,14 +91,6 @@ impl IntBlock for BlockQ4_1 {
     #[inline(always)]
     fn min(&self) -> f16 {
         self.m
-    }
-
-    fn lane_sums(&self, x: &[i8; BLOCK]) -> [i32; 8] {
-        let q = |j: usize| {
-            let byte = self.qs[j % 16];
-            i32::from(if j < 16 { byte & 0x0f } else { byte >> 4 })
-        };
-        std::array::from_fn(|l| (4 * l..4 * l + 4).map(|j| q(j) * i32::from(x[j])).sum())
     }
 
     fn unpack(&self) -> [u8; BLOCK] {
@@ -148,14 +137,6 @@ impl IntBlock for BlockQ8_0 {
         f16::ZERO
     }
 
-    fn lane_sums(&self, x: &[i8; BLOCK]) -> [i32; 8] {
-        std::array::from_fn(|l| {
-            (4 * l..4 * l + 4)
-                .map(|j| i32::from(self.qs[j]) * i32::from(x[j]))
-                .sum()
-        })
-    }
-
     fn unpack(&self) -> [u8; BLOCK] {
         self.qs.map(|v| v as u8)
     }
@@ -198,12 +179,7 @@ pub struct Q8Rows {
 
 impl Q8Rows {
     /// Quantizes `x` (whole rows of `k`, `k` a multiple of [`BLOCK`]) into `self`, reusing its
-    /// buffers.
-    pub fn quantize(&mut self, x: &[f32], k: usize) {
-        self.quantize_with(Isa::detect(), x, k);
-    }
-
-    /// [`Q8Rows::quantize`] on a chosen instruction set, which must be available.
+    /// buffers, on `isa`, which must be available.
     pub fn quantize_with(&mut self, isa: Isa, x: &[f32], k: usize) {
         assert!(isa.available(), "{isa:?} is not available on this CPU");
         assert!(k.is_multiple_of(BLOCK), "rows are whole blocks");
@@ -337,19 +313,6 @@ fn product<B: IntBlock>(
     });
 }
 
-/// A raw output pointer shared by tasks that write disjoint columns.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint column ranges of the output (see `product`).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    fn at(&self, offset: usize) -> *mut f32 {
-        self.0.wrapping_add(offset)
-    }
-}
-
 /// `rows` quantized input rows by `cols` weight rows of `blocks` blocks each.
 struct Tile<'a, B> {
     x: &'a Q8Rows,
@@ -371,13 +334,12 @@ struct Unpacked {
     mins: Vec<f32>,
     rows: usize,
     blocks: usize,
-    has_min: bool,
 }
 
 impl Unpacked {
     fn fill<B: IntBlock>(&mut self, w: &[B], blocks: usize) {
         let rows = w.len() / blocks;
-        (self.rows, self.blocks, self.has_min) = (rows, blocks, B::HAS_MIN);
+        (self.rows, self.blocks) = (rows, blocks);
         self.values.resize(w.len() * BLOCK, 0);
         self.scales.resize(w.len(), 0.0);
         self.mins.resize(if B::HAS_MIN { w.len() } else { 0 }, 0.0);
@@ -420,7 +382,7 @@ unsafe fn run_unpacked<B: IntBlock>(
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => unsafe { x86::run_unpacked::<B>(x, w, out, out_stride, rows) },
-        _ => unsafe { run_unpacked_portable(x, w, out, out_stride, rows) },
+        _ => unsafe { run_unpacked_portable::<B>(x, w, out, out_stride, rows) },
     }
 }
 
@@ -454,7 +416,7 @@ unsafe fn run_portable<B: IntBlock>(t: Tile<'_, B>) {
 ///
 /// # Safety
 /// As [`run_unpacked`].
-unsafe fn run_unpacked_portable(
+unsafe fn run_unpacked_portable<B: IntBlock>(
     x: &Q8Rows,
     w: &Unpacked,
     out: *mut f32,
@@ -469,14 +431,14 @@ unsafe fn run_unpacked_portable(
                 let values: [u8; BLOCK] = w.values[at * BLOCK..(at + 1) * BLOCK]
                     .try_into()
                     .expect("a block");
-                let min = if w.has_min {
+                let min = if B::HAS_MIN {
                     w.mins[b * w.rows + c]
                 } else {
                     0.0
                 };
                 (values, w.scales[at], min)
             };
-            let sum = output(x, r, nb, w.has_min, one);
+            let sum = output(x, r, nb, B::HAS_MIN, one);
             unsafe { *out.add(r * out_stride + c) = sum };
         }
     }
@@ -774,35 +736,8 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::test_data::pseudo_random;
-    use crate::gguf::{TensorType, dequant};
-
-    /// GGUF bytes of `blocks` blocks of `ty`: scales, minima and values drawn from `seed`.
-    fn file_blocks(ty: TensorType, blocks: usize, seed: u32) -> Vec<u8> {
-        let noise = pseudo_random(blocks * 34, seed);
-        let mut bytes = Vec::new();
-        for b in 0..blocks {
-            let r = &noise[b * 34..];
-            bytes.extend(f16::from_f32(r[0] * 0.05).to_le_bytes());
-            match ty {
-                TensorType::Q4_1 => {
-                    bytes.extend(f16::from_f32(r[1] * 0.3).to_le_bytes());
-                    bytes.extend((0..16).map(|j| ((r[2 + j].abs() * 1e4) as u32 % 256) as u8));
-                }
-                TensorType::Q8_0 => {
-                    bytes.extend((0..32).map(|j| ((r[2 + j].abs() * 1e4) as u32 % 256) as u8));
-                }
-                _ => unreachable!("only the two block types"),
-            }
-        }
-        bytes
-    }
-
-    fn dequantized(ty: TensorType, bytes: &[u8], elements: usize) -> Vec<f32> {
-        let mut out = vec![0f32; elements];
-        assert!(dequant::dequantize(ty, bytes, &mut out));
-        out
-    }
+    use crate::cpu::test_data::{dequantized, file_blocks, pseudo_random};
+    use crate::gguf::TensorType;
 
     fn isas() -> Vec<Isa> {
         [Isa::Portable, Isa::Avx2, Isa::Avx512]
@@ -895,7 +830,7 @@ mod tests {
         x.extend([127.0, 2.5, 3.5, -2.5, -0.4]);
         x.resize(96, 0.0);
         let mut q = Q8Rows::default();
-        q.quantize(&x, 96);
+        q.quantize_with(Isa::detect(), &x, 96);
         assert_eq!(q.scales, [5.0 / 127.0, 1.0, 0.0]);
         assert_eq!(
             q.values[0], -127,

@@ -220,16 +220,18 @@ impl<W> Tile<W> {
     }
 }
 
-/// A raw output pointer shared by tasks that write disjoint columns.
+/// A raw output pointer shared by tasks that write disjoint columns (here and in
+/// [`super::int8`]).
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint column ranges of the output (see `matmul_with`).
+pub(super) struct OutPtr(pub(super) *mut f32);
+// SAFETY: tasks write disjoint column ranges of the output (see `matmul_with`,
+// `int8::product`).
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
     /// Through a method, so closures capture the `Sync` wrapper rather than its raw field.
-    fn at(&self, offset: usize) -> *mut f32 {
+    pub(super) fn at(&self, offset: usize) -> *mut f32 {
         self.0.wrapping_add(offset)
     }
 }
