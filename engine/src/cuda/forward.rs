@@ -140,7 +140,7 @@ pub struct WorkspaceSizes {
 
 impl WorkspaceSizes {
     /// Bytes of each buffer, in [`Workspace`]'s order.
-    fn parts(&self, c: &ModelConfig) -> [usize; 12] {
+    fn parts(&self, c: &ModelConfig) -> [usize; 11] {
         let (t, h) = (self.tokens, c.hidden_size);
         let qkv = c.q_dim() + 2 * c.kv_dim();
         let split_rows = self.split_pairs * c.num_heads;
@@ -155,7 +155,6 @@ impl WorkspaceSizes {
             self.logit_rows * c.vocab_size * 4,
             split_rows * c.head_dim * 4,
             split_rows * 4,
-            self.rows * 4,
             self.rows * c.num_heads * 4,
             fp8 * t * widest_in,
             fp8 * t * 4,
@@ -183,8 +182,6 @@ pub struct Workspace {
     pub logits: DPtr<f32>,
     pub o_part: DPtr<f32>,
     pub lse_part: DPtr<f32>,
-    /// `[rows]` sampled token ids.
-    pub sampled: DPtr<u32>,
     /// Decode attention's counters of finished splits, zero between launches.
     pub done: DPtr<u32>,
     /// `[tokens, in]` a projection's input in e4m3, and `[tokens]` its scales (FP8 weights).
@@ -212,7 +209,6 @@ impl Workspace {
             logits: take().cast(),
             o_part: take().cast(),
             lse_part: take().cast(),
-            sampled: take().cast(),
             done: take().cast(),
             x8: take(),
             x8_scales: take().cast(),

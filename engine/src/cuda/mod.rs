@@ -116,7 +116,7 @@ use crate::error::{EngineError, Result};
 use crate::model::{ModelConfig, ModelFiles, Shard, Weights};
 use crate::sampling::Sampler;
 use collective::{Collective, Endpoint};
-use device::{DPtr, Device, DeviceBuffer};
+use device::{DPtr, Device, DeviceBuffer, PinnedBuffer};
 use forward::{AttentionMode, Forward, TpForward, Workspace, WorkspaceSizes};
 use gemm::Gemm;
 use graphs::DecodeGraphs;
@@ -360,6 +360,10 @@ pub struct CudaBackend {
     gemm_tuning: Option<String>,
     /// The rows of logits a step's host-sampled rows are picked from, kept between steps.
     host_logits: Vec<f32>,
+    /// The sampling kernel's picks, written by the device straight into page-locked host
+    /// memory: the host reads them after the stream's sync, with no copy to queue and no
+    /// driver staging of a pageable download.
+    picks: PinnedBuffer,
     /// Grammars' bitmasks of a step, a row each, and the device buffer they go to.
     host_masks: Vec<u32>,
     masks: Option<DeviceBuffer>,
@@ -500,7 +504,9 @@ impl CudaBackend {
             vocab_size: config.vocab_size,
             max_positions: config.max_position_embeddings,
         };
+        let picks = PinnedBuffer::alloc(&device, sizes.rows * 4, "the sampled tokens")?;
         let mut backend = CudaBackend {
+            picks,
             meta: StepMeta::new(&device, capacity, options.page_tokens, pool.spare_page())?,
             ws: Workspace::new(&device, &config, sizes)?,
             gemm: Gemm::new(&device)?,
@@ -1056,8 +1062,8 @@ impl CudaBackend {
     }
 
     /// Picks from logit rows `0..rows` on the device, with the step's sample parameters (no
-    /// grammar masks), and downloads the picks.
-    fn pick_on_device(&self, rows: usize) -> Result<Vec<u32>> {
+    /// grammar masks), and reads the picks.
+    fn pick_on_device(&mut self, rows: usize) -> Result<Vec<u32>> {
         if !self.leads() {
             return Ok(vec![0; rows]);
         }
@@ -1065,13 +1071,17 @@ impl CudaBackend {
             self.ws.logits,
             self.config.vocab_size,
             self.meta.buffers().sample_params,
-            self.ws.sampled,
+            self.picks.ptr(),
             DPtr::NULL,
             rows,
         )?;
-        let mut picked = vec![0u32; rows];
-        self.device.download(self.ws.sampled, &mut picked)?;
-        Ok(picked)
+        self.read_picks(rows)
+    }
+
+    /// Waits for the stream, then reads the `rows` picks the sampling kernel wrote.
+    fn read_picks(&mut self, rows: usize) -> Result<Vec<u32>> {
+        self.device.synchronize()?;
+        Ok(self.picks.as_mut_slice::<u32>()[..rows].to_vec())
     }
 
     /// Downloads logit rows `first..first + rows` (projecting them first unless `projected`).
@@ -1619,7 +1629,7 @@ impl CudaBackend {
             self.ws.logits,
             self.config.vocab_size,
             self.meta.buffers().sample_params,
-            self.ws.sampled,
+            self.picks.ptr(),
             mask,
             rows,
         )?;
@@ -1628,8 +1638,7 @@ impl CudaBackend {
             .last_replay
             .filter(|replay| !replay.captured)
             .map(|replay| replay.kernels + self.device.launches() - launches);
-        let mut picked = vec![0u32; rows];
-        self.device.download(self.ws.sampled, &mut picked)?;
+        let mut picked = self.read_picks(rows)?;
         host_picks.into_iter().for_each(|(r, t)| picked[r] = t);
         for ((sampler, &token), _) in samplers
             .iter_mut()
