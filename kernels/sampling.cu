@@ -185,10 +185,12 @@ __device__ u32 draw(const float* w, u32 vocab, double uniform, double* ds, u32* 
 
 // grid: one block per sampled row; `logits` row i is sampled with params row i. `mask`, when
 // not null, holds a bitmask of ceil(vocab / 32) words per row (bit t of word t / 32 set: token
-// t may come next, a grammar's verdict); other tokens' logits become -inf first.
+// t may come next, a grammar's verdict); other tokens' logits become -inf first. The picks go to
+// `tokens` (page-locked host memory the host reads) and to `fed` (device memory), from which
+// the next step's `unpack_step` takes the tokens of rows that follow these picks.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(float* __restrict__ logits, u32 vocab, const u32* __restrict__ params,
-                u32* __restrict__ tokens, const u32* __restrict__ mask) {
+                u32* __restrict__ tokens, const u32* __restrict__ mask, u32* __restrict__ fed) {
     pdl_begin();
     __shared__ float fs[32];
     __shared__ u32 us[SAMPLE_THREADS];
@@ -206,7 +208,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     double uniform = __hiloint2double((int)p[5], (int)p[4]);
     Best best = block_argmax(row, vocab, fs, us);
     if (temperature == 0.f || best.value == NEG_INF) {
-        if (threadIdx.x == 0) tokens[blockIdx.x] = best.token;
+        if (threadIdx.x == 0) tokens[blockIdx.x] = fed[blockIdx.x] = best.token;
         return;
     }
     u32* keys = (u32*)row;
@@ -218,5 +220,5 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     for (u32 i = threadIdx.x; i < vocab; i += blockDim.x)
         if (!(row[i] > 0.f && row[i] >= min_p)) row[i] = 0.f;
     u32 token = draw(row, vocab, uniform, ds, us);
-    if (threadIdx.x == 0) tokens[blockIdx.x] = token;
+    if (threadIdx.x == 0) tokens[blockIdx.x] = fed[blockIdx.x] = token;
 }

@@ -9,9 +9,12 @@
 //   page entries
 //   per item:   row, first token within the row (2 words)
 //   per sampled row: SAMPLE_PARAM_WORDS words
-// The engine's step_meta.rs writes exactly this.
+// The engine's step_meta.rs writes exactly this. A token id with FED_TOKEN set is not an id: the
+// token is the pick of the step before, row (id - FED_TOKEN), which `sample_rows` left in `fed`
+// (a step launched before the host has read the picks it follows).
 
 #define STEP_HEADER_WORDS 8
+#define FED_TOKEN 0x80000000u
 
 // grid: any number of blocks; block b copies rows b, b + gridDim.x, ... of the page table.
 extern "C" __global__ void unpack_step(const u32* __restrict__ blob, u32* __restrict__ token_ids,
@@ -21,7 +24,8 @@ extern "C" __global__ void unpack_step(const u32* __restrict__ blob, u32* __rest
                                        u32* __restrict__ row_start_pos, u32* __restrict__ row_len,
                                        u32* __restrict__ page_table, u32 table_stride,
                                        u32* __restrict__ items_out,
-                                       u32* __restrict__ sample_params) {
+                                       u32* __restrict__ sample_params,
+                                       const u32* __restrict__ fed) {
     pdl_begin();
     u32 tokens = blob[0], rows = blob[1], items = blob[2], entries = blob[3], sampled = blob[4];
     const u32* tok = blob + STEP_HEADER_WORDS;
@@ -31,7 +35,8 @@ extern "C" __global__ void unpack_step(const u32* __restrict__ blob, u32* __rest
     const u32* sample = item + 2 * items;
     u32 stride = gridDim.x * blockDim.x, first = blockIdx.x * blockDim.x + threadIdx.x;
     for (u32 i = first; i < tokens; i += stride) {
-        token_ids[i] = tok[4 * i];
+        u32 id = tok[4 * i];
+        token_ids[i] = id >= FED_TOKEN ? fed[id - FED_TOKEN] : id;
         positions[i] = tok[4 * i + 1];
         slots[i] = tok[4 * i + 2];
         logit_rows[i] = tok[4 * i + 3];

@@ -150,6 +150,11 @@ struct BenchArgs {
     #[arg(long)]
     no_resident_attention: bool,
 
+    /// Wait for each decode step's picks before launching the next, instead of launching the
+    /// next ahead of them where it can only be the same rows one position on.
+    #[arg(long)]
+    no_run_ahead: bool,
+
     /// Steps of at most this many tokens (0 to 8) project small weights through snapserve's
     /// gemv kernel instead of cuBLAS.
     #[arg(long, default_value_t = engine::cuda::DEFAULT_GEMV_MAX_TOKENS)]
@@ -976,6 +981,7 @@ fn cuda_bench_backend(
         programmatic_launch: !args.no_programmatic_launch,
         tune_gemms: !args.no_gemm_tuning,
         resident_decode: !args.no_resident_attention,
+        run_ahead: !args.no_run_ahead,
         fp8_weights: args.quantization == QuantizationArg::Fp8,
         pool: PoolSize::MemoryFraction(1.0),
         device_snapshot_bytes: 0,

@@ -961,6 +961,7 @@ impl Engine {
             first_step_seconds: first_step.0,
             first_step_captured: first_step.1,
             cut_short,
+            run_ahead: self.backend.steps_run_ahead(),
             waited,
             outcomes,
             saves,

@@ -300,6 +300,9 @@ pub struct EngineStepReply {
     /// A multi-step decode ended before its rows' step counts because the interrupt was
     /// raised (a request arrived or was cancelled).
     pub cut_short: bool,
+    /// The backend's decode steps launched before they were asked for, so far: kept (they
+    /// were the step asked for next) and left unread.
+    pub run_ahead: (u64, u64),
     /// The engine's time from the end of its last step to the start of this one (none for
     /// its first): for a step planned while the one before it ran, the scheduling the device
     /// waited for.
@@ -346,6 +349,7 @@ impl EngineStepReply {
             first_step_seconds: 0.0,
             first_step_captured: false,
             cut_short: false,
+            run_ahead: (0, 0),
             waited: None,
             outcomes: Vec::new(),
             saves: vec![Err(reason.to_string()); shape.saves],

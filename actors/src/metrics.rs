@@ -88,6 +88,12 @@ fn describe() {
             "Engine steps planned and sent while the step before them was still running.",
         ),
         (
+            "snapserve_decode_steps_run_ahead_total",
+            "Decode steps the GPU backend launched before their tokens were read (engine \
+             run_ahead), by outcome: kept (the step asked for next) or dropped (computed for \
+             nothing: a sequence ended or joined).",
+        ),
+        (
             "snapserve_engine_waits_total",
             "Engine steps planned ahead whose wait after the step before them was measured.",
         ),
@@ -290,6 +296,9 @@ pub async fn render(handles: &Handles, prometheus: &PrometheusHandle) -> String 
     counter!("snapserve_multi_step_cut_short_total").absolute(scheduler.multi_steps_cut_short);
     counter!("snapserve_steps_planned_ahead_total").absolute(scheduler.planned_ahead);
     counter!("snapserve_engine_waits_total").absolute(scheduler.engine_waits);
+    let (kept, dropped) = scheduler.steps_run_ahead;
+    counter!("snapserve_decode_steps_run_ahead_total", "outcome" => "kept").absolute(kept);
+    counter!("snapserve_decode_steps_run_ahead_total", "outcome" => "dropped").absolute(dropped);
     counter!("snapserve_engine_wait_microseconds_total")
         .absolute(scheduler.engine_waited_nanos / 1000);
     counter!("snapserve_speculative_draft_tokens_total").absolute(scheduler.drafted_tokens);

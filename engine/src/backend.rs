@@ -334,6 +334,12 @@ pub trait Backend: Send {
         None
     }
 
+    /// Decode steps this backend launched before they were asked for, so far: those that were
+    /// the step asked for next, and those left unread (see `CudaOptions::run_ahead`).
+    fn steps_run_ahead(&self) -> (u64, u64) {
+        (0, 0)
+    }
+
     /// Whether the last step paid a one-time cost that the same step will not pay again (on
     /// CUDA: it captured the graph it then replayed), so its time says little of what such a
     /// step costs.

@@ -6,8 +6,10 @@
 //! of one greedy token per sequence are timed, after one untimed step (which captures a CUDA
 //! graph where the backend uses them). Tokens come back through `step_and_sample`, as a server
 //! takes them: no logits leave the device. Each figure is the median of `repeats` runs; the
-//! decode runs continue the same sequences. Tokens are drawn from a seeded generator, so two
-//! runs measure the same work. A configuration the KV pool cannot hold is reported as skipped.
+//! decode runs continue the same sequences, each step's tokens the picks of the one before, as
+//! a server's are (so a backend that launches the next step ahead of the picks' reading, as
+//! the CUDA one does, keeps it). Prompts are drawn from a seeded generator, so two runs
+//! measure the same work. A configuration the KV pool cannot hold is reported as skipped.
 
 use std::time::{Duration, Instant};
 
@@ -93,6 +95,8 @@ pub enum BenchRow {
         step: Duration,
         /// Kernels one step launched, where the backend counts them.
         kernels: Option<usize>,
+        /// Timed steps the backend had launched before they were asked for, of all timed.
+        ahead: (u64, u64),
     },
     /// Steps verifying a draft per row (speculative decoding), next to the decode step of the
     /// same batch and context.
@@ -145,16 +149,20 @@ impl std::fmt::Display for BenchRow {
                 tokens_per_s,
                 step,
                 kernels,
+                ahead: (kept, timed),
             } => {
                 write!(
                     f,
                     "decode   batch {batch:>4}  context {context:>6} {tokens_per_s:>10.1} tok/s  {:>9.3} ms/step",
                     step.as_secs_f64() * 1e3
                 )?;
-                match kernels {
-                    Some(kernels) => write!(f, "  {kernels:>5} kernels/step"),
-                    None => Ok(()),
+                if let Some(kernels) = kernels {
+                    write!(f, "  {kernels:>5} kernels/step")?;
                 }
+                if *kept > 0 {
+                    write!(f, "  {kept}/{timed} launched ahead")?;
+                }
+                Ok(())
             }
             BenchRow::Verify {
                 batch,
@@ -448,28 +456,40 @@ fn decode(
     fill_contexts(backend, rng, spec, &tables, context)?;
     let vocab = backend.info().vocab_size;
     let mut pos = context;
+    // Each sequence's last pick, its next token.
+    let mut picks: Vec<u32> = Vec::new();
     let mut step = |backend: &mut dyn Backend, rng: &mut ChaCha8Rng| -> Result<()> {
         let rows = tables
             .iter()
-            .map(|pages| RowPlan {
-                tokens: random_tokens(rng, vocab, 1),
+            .enumerate()
+            .map(|(s, pages)| RowPlan {
+                tokens: match picks.get(s) {
+                    Some(&token) => vec![token],
+                    None => random_tokens(rng, vocab, 1),
+                },
                 start_pos: pos,
                 pages: pages.clone(),
                 logits: LogitsWanted::Last,
             })
             .collect();
-        sample_step(backend, rows)?;
+        picks = sample_step(backend, rows)?
+            .into_iter()
+            .map(|token| token.expect("every row samples"))
+            .collect();
         pos += 1;
         Ok(())
     };
     step(backend, rng)?; // warm-up, and graph capture
+    let before = backend.steps_run_ahead().0;
     let step = time_steps(backend, rng, spec, step)?;
+    let timed = (spec.repeats.max(1) * spec.decode_steps) as u64;
     Ok(BenchRow::Decode {
         batch,
         context,
         tokens_per_s: batch as f64 / step.as_secs_f64(),
         step,
         kernels: backend.last_step_kernels(),
+        ahead: (backend.steps_run_ahead().0 - before, timed),
     })
 }
 

@@ -679,3 +679,97 @@ fn fp8_weights_on_smollm2_stay_close_to_bf16() {
         "the argmax agrees at {top1} of {positions} positions"
     );
 }
+
+/// Decode steps launched ahead of the host's reading of the picks they follow
+/// (`CudaOptions::run_ahead`) pick what steps that wait for them pick, bit for bit, through
+/// what a server does between steps: greedy and seeded rows, a row that ends, a prompt's step
+/// in between, a row joining, and a row whose next page is handed over only when it is needed.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn steps_launched_ahead_pick_what_waiting_steps_pick() {
+    let (_dir, files) = model(&SyntheticSpec::smollm2(22));
+    let sampled = |seed| SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: Some(seed),
+        ..SamplingParams::default()
+    };
+    let run = |run_ahead: bool| -> (Vec<Vec<u32>>, (u64, u64)) {
+        let options = CudaOptions {
+            run_ahead,
+            ..CudaOptions::for_tokens(PAGES * PAGE, 1024, 16)
+        };
+        let mut gpu = CudaBackend::load(&files, &options).expect("these tests need a CUDA device");
+        let params = [
+            SamplingParams::default(),
+            sampled(11),
+            sampled(12),
+            sampled(13),
+        ];
+        let mut samplers: Vec<Sampler> = params.iter().map(|p| Sampler::new(p, &[])).collect();
+        // Sequence s: its input, its start, its pages; sequence 3 joins at step 24.
+        let mut inputs: Vec<Vec<u32>> =
+            (0..4).map(|s| prompt(s + 7, 17 + 6 * s as usize)).collect();
+        let mut starts = [0usize; 4];
+        let mut tokens = vec![Vec::new(); 4];
+        let live = |step: usize, s: usize| match s {
+            1 => step < 14,
+            3 => step >= 24,
+            _ => true,
+        };
+        for step in 0..40 {
+            if step == 20 {
+                // A prompt's step between two decode steps (logits to the host).
+                let prefill = StepPlan {
+                    rows: vec![RowPlan {
+                        tokens: prompt(9, 30),
+                        start_pos: 0,
+                        pages: pages(200, 2),
+                        logits: LogitsWanted::Last,
+                    }],
+                };
+                gpu.step(&prefill).unwrap();
+            }
+            let rows: Vec<usize> = (0..4).filter(|&s| live(step, s)).collect();
+            let plan = StepPlan {
+                rows: rows
+                    .iter()
+                    .map(|&s| {
+                        let end = starts[s] + inputs[s].len();
+                        // Sequence 0 holds only the pages its positions so far need.
+                        let held = if s == 0 { end.div_ceil(PAGE) } else { 8 };
+                        RowPlan {
+                            tokens: inputs[s].clone(),
+                            start_pos: starts[s],
+                            pages: pages(s as u32 * 40, held),
+                            logits: LogitsWanted::Last,
+                        }
+                    })
+                    .collect(),
+            };
+            let mut slots: Vec<Option<&mut Sampler>> = samplers
+                .iter_mut()
+                .enumerate()
+                .filter(|(s, _)| live(step, *s))
+                .map(|(_, sampler)| Some(sampler))
+                .collect();
+            let picked = gpu.step_and_sample(&plan, &mut slots).unwrap();
+            for (&s, pick) in rows.iter().zip(picked) {
+                let pick = pick.unwrap();
+                starts[s] += inputs[s].len();
+                inputs[s] = vec![pick];
+                tokens[s].push(pick);
+            }
+        }
+        (tokens, gpu.steps_run_ahead())
+    };
+    let (waited, none) = run(false);
+    let (ahead, (kept, dropped)) = run(true);
+    println!("run ahead: {kept} steps kept, {dropped} left unread; tokens {ahead:?}");
+    assert_eq!(none, (0, 0));
+    assert_eq!(ahead, waited);
+    // Most steps ran ahead; the row that ended, the prompt's step and the row that joined
+    // each left one unread.
+    assert!(kept >= 20, "{kept} steps kept");
+    assert!((1..=4).contains(&dropped), "{dropped} steps left unread");
+}

@@ -170,6 +170,12 @@ pub struct EngineConfig {
     pub gpu_memory_fraction: f64,
     /// Replay decode steps as CUDA graphs.
     pub cuda_graphs: bool,
+    /// On the GPU, launch the next decode step before this one's tokens are read, where it
+    /// can only be the same sequences one position on (steady decoding, every row sampled on
+    /// the device): the device reads each token from the step before and never waits on the
+    /// host between steps. A step launched so and not asked for (a sequence ended, another
+    /// joined) is computed for nothing and left unread. Needs `cuda_graphs`.
+    pub run_ahead: bool,
     /// GPUs one model is split over (tensor parallelism): `device`, `device + 1`, ... unless
     /// `devices` names them. 1 runs on `device` alone.
     pub tensor_parallel: usize,
@@ -198,6 +204,7 @@ impl Default for EngineConfig {
             device: 0,
             gpu_memory_fraction: 0.9,
             cuda_graphs: true,
+            run_ahead: true,
             tensor_parallel: 1,
             devices: Vec::new(),
             batch_invariant: None,

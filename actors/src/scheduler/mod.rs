@@ -104,6 +104,9 @@ pub struct SchedulerStats {
     pub multi_steps_cut_short: u64,
     /// Steps sent to the engine while the one before them was still running.
     pub planned_ahead: u64,
+    /// The backend's decode steps launched on the device before the engine asked for them:
+    /// kept, and left unread ([`crate::exchange::EngineStepReply::run_ahead`]).
+    pub steps_run_ahead: (u64, u64),
     /// Of those answered, how many, and the engine's time between the end of the step
     /// before and the start of each ([`crate::exchange::EngineStepReply::waited`]): what the
     /// device waits for the scheduler a step in steady work.

@@ -1582,6 +1582,7 @@ impl Scheduler {
         let mut ended: Vec<(usize, End)> = Vec::new();
         if let Some(reply) = reply {
             self.stats.multi_steps_cut_short += reply.cut_short as u64;
+            self.stats.steps_run_ahead = reply.run_ahead;
             tracing::trace!(
                 "step {}: {} tokens, verifies {}, forward {:.3} ms, captured {}",
                 draft.id,

@@ -46,6 +46,11 @@ pub struct DecodeGraphs {
 }
 
 impl DecodeGraphs {
+    /// Whether the graph of `key` is captured.
+    pub fn has(&self, key: usize) -> bool {
+        self.graphs.contains_key(&key)
+    }
+
     /// Replays the graph of `key` ([`key`]), first capturing `record` into it if it has none.
     pub fn replay(
         &mut self,

@@ -1611,18 +1611,23 @@ fn sampling_matches_the_reference_rule() {
     logits[3 * vocab..3 * vocab + 100].fill(f32::NEG_INFINITY);
     let flat: Vec<u32> = rows.iter().flatten().copied().collect();
     let (logits_d, params_d) = (g.upload(&logits), g.upload(&flat));
-    let tokens = g.poisoned(rows.len() * 4);
+    let (tokens, fed) = (g.poisoned(rows.len() * 4), g.poisoned(rows.len() * 4));
     g.kernels
         .sample_rows(
             logits_d.ptr(),
             vocab,
             params_d.ptr(),
-            tokens.ptr(),
+            Picks {
+                host: tokens.ptr(),
+                fed: fed.ptr(),
+            },
             DPtr::NULL,
             rows.len(),
         )
         .unwrap();
     let got = g.download(tokens.ptr::<u32>(), rows.len());
+    // The device's own copy, which a step launched ahead reads its tokens from.
+    assert_eq!(g.download(fed.ptr::<u32>(), rows.len()), got);
     let want: Vec<u32> = rows
         .iter()
         .enumerate()
@@ -1790,6 +1795,33 @@ fn step_metadata_lands_in_its_typed_buffers() {
     // The item attending the most positions first (row 0 from position 32, then 30).
     assert_eq!(g.download(b.rows.items, 10), [0, 2, 0, 0, 1, 0, 2, 0, 3, 0]);
     assert_eq!(g.download(b.sample_params, 6), sample);
+    // A step launched ahead of the picks it follows: its tokens are read from the picks the
+    // sampling kernel left on the device, by row; ids below FED_TOKEN are kept as they are.
+    g.device.upload(&[41u32, 42, 43], b.fed_tokens).unwrap();
+    let decode = StepPlan {
+        rows: [FED_TOKEN + 2, 7, FED_TOKEN]
+            .into_iter()
+            .map(|token| RowPlan {
+                tokens: vec![token],
+                start_pos: 3,
+                pages: vec![PageId(5)],
+                logits: LogitsWanted::Last,
+            })
+            .collect(),
+    };
+    meta.load(
+        &g.kernels,
+        &PackRequest {
+            plan: &decode,
+            select: LogitSelection::LastOfEachRow,
+            pad_rows_to: 4,
+            item_tokens: 0,
+            decode_rows_apart: false,
+            sample_params: &[],
+        },
+    )
+    .unwrap();
+    assert_eq!(g.download(b.token_ids, 4), [43, 7, 41, 0]);
 }
 
 #[test]
@@ -1849,18 +1881,22 @@ fn sampling_picks_only_what_the_mask_allows() {
     mask[3 * words..].fill(u32::MAX);
     let flat: Vec<u32> = rows.iter().flatten().copied().collect();
     let (logits_d, params_d, mask_d) = (g.upload(&logits), g.upload(&flat), g.upload(&mask));
-    let tokens = g.poisoned(rows.len() * 4);
+    let (tokens, fed) = (g.poisoned(rows.len() * 4), g.poisoned(rows.len() * 4));
     g.kernels
         .sample_rows(
             logits_d.ptr(),
             vocab,
             params_d.ptr(),
-            tokens.ptr(),
+            Picks {
+                host: tokens.ptr(),
+                fed: fed.ptr(),
+            },
             mask_d.ptr(),
             rows.len(),
         )
         .unwrap();
     let got = g.download(tokens.ptr::<u32>(), rows.len());
+    assert_eq!(g.download(fed.ptr::<u32>(), rows.len()), got);
     let masked = |row: usize| -> Vec<f32> {
         (0..vocab)
             .map(|t| {

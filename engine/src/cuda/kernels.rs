@@ -774,7 +774,7 @@ impl Kernels {
         logits: DPtr<f32>,
         vocab: usize,
         params: DPtr<u32>,
-        tokens: DPtr<u32>,
+        picks: Picks,
         mask: DPtr<u32>,
         rows: usize,
     ) -> Result<()> {
@@ -782,8 +782,9 @@ impl Kernels {
             .ptr(logits)
             .u32(vocab as u32)
             .ptr(params)
-            .ptr(tokens)
-            .ptr(mask);
+            .ptr(picks.host)
+            .ptr(mask)
+            .ptr(picks.fed);
         self.device.launch(
             &self.sample_rows,
             (rows as u32, 1, 1),
@@ -840,7 +841,8 @@ impl Kernels {
             .ptr(to.rows.page_table)
             .u32(to.rows.table_stride as u32)
             .ptr(to.rows.items)
-            .ptr(to.sample_params);
+            .ptr(to.sample_params)
+            .ptr(to.fed_tokens);
         let blocks = self.device.multiprocessors;
         self.device
             .launch(&self.unpack_step, (blocks, 1, 1), THREADS, &args)
@@ -1150,7 +1152,22 @@ pub struct MetaBuffers {
     pub logit_rows: DPtr<u32>,
     pub rows: RowBuffers,
     pub sample_params: DPtr<u32>,
+    /// The last sampled step's picks, a row each, on the device: where a step launched ahead
+    /// of the host reading them takes its tokens from ([`FED_TOKEN`]).
+    pub fed_tokens: DPtr<u32>,
 }
+
+/// Where [`Kernels::sample_rows`] writes its picks, a row each: for the host (page-locked
+/// memory it reads), and on the device, for a step launched ahead to take its tokens from.
+#[derive(Debug, Clone, Copy)]
+pub struct Picks {
+    pub host: DPtr<u32>,
+    pub fed: DPtr<u32>,
+}
+
+/// A token id of a step's plan that stands for the pick of row `id - FED_TOKEN` of the sampled
+/// step before it, read on the device (`FED_TOKEN` in kernels/step_meta.cu).
+pub const FED_TOKEN: u32 = 1 << 31;
 
 /// Arguments of [`Kernels::decode_attention`]; `bias` may be [`DPtr::NULL`].
 pub struct DecodeAttention {

@@ -100,11 +100,86 @@ mod tests {
         // No room for a bucket: nothing to tune.
         assert!(shapes(&big, 0).is_empty());
     }
+
+    fn row(token: u32, start_pos: usize, pages: &[u32]) -> RowPlan {
+        RowPlan {
+            tokens: vec![token],
+            start_pos,
+            pages: pages.iter().map(|&p| PageId(p)).collect(),
+            logits: crate::backend::LogitsWanted::Last,
+        }
+    }
+
+    #[test]
+    fn a_step_continues_the_last_when_its_rows_are_each_one_position_on() {
+        let last = [(40, Some(PageId(7))), (16, Some(PageId(2)))];
+        let plan = |rows| StepPlan { rows };
+        assert!(continues(
+            &last,
+            &plan(vec![row(5, 41, &[7, 8, 9]), row(6, 17, &[2, 3])])
+        ));
+        // Another position, another sequence, a row more or fewer: not a continuation.
+        assert!(!continues(
+            &last,
+            &plan(vec![row(5, 42, &[7, 8, 9]), row(6, 17, &[2, 3])])
+        ));
+        assert!(!continues(
+            &last,
+            &plan(vec![row(5, 41, &[4, 8, 9]), row(6, 17, &[2, 3])])
+        ));
+        assert!(!continues(&last, &plan(vec![row(5, 41, &[7, 8, 9])])));
+        assert!(!continues(&[], &plan(vec![row(5, 41, &[7])])));
+    }
+
+    #[test]
+    fn a_step_run_ahead_is_kept_only_for_the_very_step_it_ran() {
+        // Launched after a step at positions 40 and 16: its rows at 41 and 17, on the picks of
+        // that step, which were 11 and 12.
+        let ahead = Ahead {
+            plan: StepPlan {
+                rows: vec![
+                    row(kernels::FED_TOKEN, 41, &[7, 8, 9]),
+                    row(kernels::FED_TOKEN + 1, 17, &[2, 3]),
+                ],
+            },
+            params: vec![1, 2, 3],
+            follows: vec![11, 12],
+            slot: 1,
+            kernels: 10,
+            replay: graphs::Replay {
+                kernels: 8,
+                captured: false,
+            },
+        };
+        let plan = |rows| StepPlan { rows };
+        let asked = plan(vec![row(11, 41, &[7, 8, 9]), row(12, 17, &[2, 3])]);
+        assert!(ahead.is(&asked, &[1, 2, 3], 16));
+        // Pages past the step's positions are not the step's: a row may have gained one.
+        let grown = plan(vec![row(11, 41, &[7, 8, 9, 10]), row(12, 17, &[2, 3])]);
+        assert!(ahead.is(&grown, &[1, 2, 3], 16));
+        // Another token (the host took another pick), position, page, parameter or row count.
+        let token = plan(vec![row(11, 41, &[7, 8, 9]), row(13, 17, &[2, 3])]);
+        let position = plan(vec![row(11, 42, &[7, 8, 9]), row(12, 17, &[2, 3])]);
+        let page = plan(vec![row(11, 41, &[7, 5, 9]), row(12, 17, &[2, 3])]);
+        let fewer = plan(vec![row(11, 41, &[7, 8, 9])]);
+        assert!(!ahead.is(&token, &[1, 2, 3], 16));
+        assert!(!ahead.is(&position, &[1, 2, 3], 16));
+        assert!(!ahead.is(&page, &[1, 2, 3], 16));
+        assert!(!ahead.is(&fewer, &[1, 2, 3], 16));
+        assert!(!ahead.is(&asked, &[1, 2, 4], 16));
+        // Before its picks are read it is no step the host can ask for.
+        let unread = Ahead {
+            follows: Vec::new(),
+            ..ahead
+        };
+        assert!(!unread.is(&asked, &[1, 2, 3], 16));
+    }
 }
 
 use std::sync::Arc;
 
-use cache::{BackingId, KvGeometry, PageClone, PageCopy, Tier};
+use cache::{BackingId, KvGeometry, PageClone, PageCopy, PageId, Tier};
+use cudarc::driver::CudaEvent;
 pub use policy::PoolSize;
 use policy::{
     AdmissionPolicy, CachePolicy, EngineConfig, SnapshotPolicy, SpeculativeConfig,
@@ -195,6 +270,13 @@ pub struct CudaOptions {
     /// shared memory, copied before the kernel before ends, instead of split over a cluster of
     /// blocks (see [`kernels::Kernels::decode_attention_resident`]).
     pub resident_decode: bool,
+    /// Launch the next decode step before the host reads this one's picks, where it can only
+    /// be the same rows one position on (every row sampled on the device, its next page held,
+    /// and the step before continued the same way): the step's tokens are read on the device
+    /// from the picks of the one before. Kept when the next step asked for is that one, left
+    /// unread when it is not. The device then goes from step to step without waiting on the
+    /// host ([`CudaBackend::launch_ahead`]).
+    pub run_ahead: bool,
     /// Hold the layers' projections in FP8 (e4m3, a scale a row) and run them as FP8 products
     /// (`[engine] quantization = "fp8"`; Hopper: cuBLASLt takes its per-row scales on sm_90 only).
     pub fp8_weights: bool,
@@ -243,6 +325,7 @@ impl CudaOptions {
             programmatic_launch: true,
             tune_gemms: true,
             resident_decode: true,
+            run_ahead: engine.run_ahead,
             fp8_weights: engine.quantization == policy::Quantization::Fp8,
         }
     }
@@ -268,6 +351,7 @@ impl CudaOptions {
             programmatic_launch: true,
             tune_gemms: true,
             resident_decode: true,
+            run_ahead: true,
             fp8_weights: false,
         }
     }
@@ -361,9 +445,21 @@ pub struct CudaBackend {
     /// The rows of logits a step's host-sampled rows are picked from, kept between steps.
     host_logits: Vec<f32>,
     /// The sampling kernel's picks, written by the device straight into page-locked host
-    /// memory: the host reads them after the stream's sync, with no copy to queue and no
-    /// driver staging of a pageable download.
-    picks: PinnedBuffer,
+    /// memory: the host reads them once the step's event has passed, with no copy to queue and
+    /// no driver staging of a pageable download. Two, each with its event: a step launched
+    /// ahead writes the one its predecessor does not.
+    picks: [PinnedBuffer; 2],
+    picked: [CudaEvent; 2],
+    /// [`CudaOptions::run_ahead`].
+    run_ahead: bool,
+    /// The decode step launched ahead of the host's asking for it, if one is in flight.
+    ahead: Option<Ahead>,
+    /// Steps launched ahead so far: kept (the step asked for next), and left unread.
+    ahead_kept: u64,
+    ahead_dropped: u64,
+    /// Where each row of the last sampled step started, and its first page: whether a step
+    /// continues it ([`continues`]).
+    last_sampled: Vec<(usize, Option<PageId>)>,
     /// Grammars' bitmasks of a step, a row each, and the device buffer they go to.
     host_masks: Vec<u32>,
     masks: Option<DeviceBuffer>,
@@ -504,9 +600,22 @@ impl CudaBackend {
             vocab_size: config.vocab_size,
             max_positions: config.max_position_embeddings,
         };
-        let picks = PinnedBuffer::alloc(&device, sizes.rows * 4, "the sampled tokens")?;
+        let picks = [
+            PinnedBuffer::alloc(&device, sizes.rows * 4, "the sampled tokens")?,
+            PinnedBuffer::alloc(&device, sizes.rows * 4, "the sampled tokens")?,
+        ];
+        let picked = [
+            device.context().new_event(None)?,
+            device.context().new_event(None)?,
+        ];
         let mut backend = CudaBackend {
             picks,
+            picked,
+            run_ahead: options.run_ahead,
+            ahead: None,
+            ahead_kept: 0,
+            ahead_dropped: 0,
+            last_sampled: Vec::new(),
             meta: StepMeta::new(&device, capacity, options.page_tokens, pool.spare_page())?,
             ws: Workspace::new(&device, &config, sizes)?,
             gemm: Gemm::new(&device)?,
@@ -1067,21 +1176,42 @@ impl CudaBackend {
         if !self.leads() {
             return Ok(vec![0; rows]);
         }
+        self.sample_into(0, DPtr::NULL, rows)?;
+        self.read_picks(0, rows)
+    }
+
+    /// Picks from logit rows `0..rows` with the step's sample parameters, among what `mask`
+    /// allows ([`DPtr::NULL`]: everything), into picks buffer `slot`, and records its event.
+    fn sample_into(&mut self, slot: usize, mask: DPtr<u32>, rows: usize) -> Result<()> {
+        let buffers = self.meta.buffers();
         self.kernels.sample_rows(
             self.ws.logits,
             self.config.vocab_size,
-            self.meta.buffers().sample_params,
-            self.picks.ptr(),
-            DPtr::NULL,
+            buffers.sample_params,
+            kernels::Picks {
+                host: self.picks[slot].ptr(),
+                fed: buffers.fed_tokens,
+            },
+            mask,
             rows,
         )?;
-        self.read_picks(rows)
+        Ok(self.picked[slot].record(self.device.stream())?)
     }
 
-    /// Waits for the stream, then reads the `rows` picks the sampling kernel wrote.
-    fn read_picks(&mut self, rows: usize) -> Result<Vec<u32>> {
-        self.device.synchronize()?;
-        Ok(self.picks.as_mut_slice::<u32>()[..rows].to_vec())
+    /// Waits for the step that picked into buffer `slot`, then reads its `rows` picks.
+    fn read_picks(&mut self, slot: usize, rows: usize) -> Result<Vec<u32>> {
+        self.picked[slot].synchronize()?;
+        Ok(self.picks[slot].as_mut_slice::<u32>()[..rows].to_vec())
+    }
+
+    /// Waits for a step launched ahead that no one asked for, if one is in flight: the step
+    /// asked for instead starts after it, and its buffers are free again.
+    fn settle(&mut self) -> Result<()> {
+        if self.ahead.take().is_some() {
+            self.ahead_dropped += 1;
+            self.device.synchronize()?;
+        }
+        Ok(())
     }
 
     /// Downloads logit rows `first..first + rows` (projecting them first unless `projected`).
@@ -1269,6 +1399,8 @@ impl Backend for CudaBackend {
 
     fn step(&mut self, plan: &StepPlan) -> Result<StepOutput> {
         self.device.bind()?;
+        self.settle()?;
+        self.last_sampled.clear();
         plan.validate(&self.info)?;
         if plan.rows.is_empty() {
             return Ok(StepOutput {
@@ -1307,6 +1439,8 @@ impl Backend for CudaBackend {
         crate::backend::check_verify(plan, samplers, drafts)?;
         self.last_step_kernels = None;
         self.device.bind()?;
+        self.settle()?;
+        self.last_sampled.clear();
         plan.validate(&self.info)?;
         match self.verify_route(plan, samplers, drafts) {
             VerifyRoute::Host => crate::backend::verify_on_host(self, plan, samplers, drafts),
@@ -1333,6 +1467,10 @@ impl Backend for CudaBackend {
 
     fn last_step_captured(&self) -> bool {
         self.last_replay.is_some_and(|replay| replay.captured)
+    }
+
+    fn steps_run_ahead(&self) -> (u64, u64) {
+        (self.ahead_kept, self.ahead_dropped)
     }
 
     fn alloc_backing(&mut self, backing: BackingId, tier: Tier, bytes: u64) -> Result<()> {
@@ -1550,6 +1688,121 @@ impl CudaBackend {
         Ok(masked)
     }
 
+    /// Notes where `plan`'s rows start, and says whether it continues the last sampled step:
+    /// the same rows (by their first page), each one position on.
+    fn note_sampled(&mut self, plan: &StepPlan) -> bool {
+        let continued = continues(&self.last_sampled, plan);
+        self.last_sampled.clear();
+        self.last_sampled.extend(
+            plan.rows
+                .iter()
+                .map(|row| (row.start_pos, row.pages.first().copied())),
+        );
+        continued
+    }
+
+    /// Whether the step after `plan` may be launched before its picks are read
+    /// ([`CudaOptions::run_ahead`]): `plan` continued the step before (steady decoding, where
+    /// the next step is most likely the same rows again), every row is one token picked on
+    /// the device with its next position's page held, and that step's graph is captured.
+    fn may_run_ahead(
+        &self,
+        plan: &StepPlan,
+        samplers: &[Option<&mut Sampler>],
+        continued: bool,
+    ) -> bool {
+        let Some(graphs) = self.graphs.as_ref() else {
+            return false;
+        };
+        if !self.run_ahead || !continued || self.tp.is_some() {
+            return false;
+        }
+        let max_rows = self.ws.sizes.rows.min(self.ws.sizes.logit_rows);
+        let Some(bucket) = graphs::bucket(plan.rows.len(), max_rows) else {
+            return false;
+        };
+        let pt = self.info.geometry.page_tokens;
+        let rows_go_on = plan.rows.iter().all(|row| {
+            row.tokens.len() == 1
+                && row.end_pos() < self.info.max_positions
+                && row.pages.len() > row.end_pos() / pt
+        });
+        let on_device = samplers
+            .iter()
+            .all(|s| s.as_ref().is_some_and(|s| s.samples_on_device()));
+        let (splits, _) = self.decode_launch(bucket, longest_row(plan) + 1, false);
+        rows_go_on && on_device && graphs.has(graphs::key(bucket, false, splits))
+    }
+
+    /// Launches the step after `plan`, before `plan`'s picks are read: its rows one position
+    /// on, each taking its token from `plan`'s pick on the device, picked into buffer `slot`.
+    /// The samplers' uniforms for it are drawn and put back, so the step asked for next draws
+    /// the same ones and [`Ahead::is`] can compare parameters.
+    fn launch_ahead(
+        &mut self,
+        plan: &StepPlan,
+        samplers: &mut [Option<&mut Sampler>],
+        slot: usize,
+    ) -> Result<()> {
+        let next = StepPlan {
+            rows: plan
+                .rows
+                .iter()
+                .enumerate()
+                .map(|(r, row)| RowPlan {
+                    tokens: vec![kernels::FED_TOKEN + r as u32],
+                    start_pos: row.start_pos + 1,
+                    pages: row.pages.clone(),
+                    logits: crate::backend::LogitsWanted::Last,
+                })
+                .collect(),
+        };
+        let mut params = Vec::with_capacity(samplers.len() * kernels::SAMPLE_PARAM_WORDS);
+        for sampler in samplers.iter_mut().flatten() {
+            let at = sampler.draw_position();
+            sample::push_params(sampler, &mut params);
+            sampler.rewind_draws(at);
+        }
+        let launches = self.device.launches();
+        self.last_replay = None;
+        let (_, projected) = self.execute(&next, LogitSelection::LastOfEachRow, &params)?;
+        assert!(projected, "a step run ahead replays a decode graph");
+        let replay = self
+            .last_replay
+            .expect("a step run ahead replays a decode graph");
+        self.sample_into(slot, DPtr::NULL, next.rows.len())?;
+        self.ahead = Some(Ahead {
+            plan: next,
+            params,
+            follows: Vec::new(),
+            slot,
+            kernels: replay.kernels + self.device.launches() - launches,
+            replay,
+        });
+        Ok(())
+    }
+
+    /// The step asked for is the one launched ahead: launches the one after it in turn where
+    /// it may, then waits for this one's picks.
+    fn finish_ahead(
+        &mut self,
+        plan: &StepPlan,
+        samplers: &mut [Option<&mut Sampler>],
+        ahead: Ahead,
+    ) -> Result<Vec<Option<u32>>> {
+        self.ahead_kept += 1;
+        if self.may_run_ahead(plan, samplers, true) {
+            self.launch_ahead(plan, samplers, 1 - ahead.slot)?;
+        }
+        self.last_replay = Some(ahead.replay);
+        self.last_step_kernels = Some(ahead.kernels);
+        let picked = self.read_picks(ahead.slot, plan.rows.len())?;
+        if let Some(next) = &mut self.ahead {
+            next.follows.clone_from(&picked);
+        }
+        Ok(picked.into_iter().map(Some).collect())
+    }
+
     /// One step whose rows' next tokens are picked on the device where their samplers allow,
     /// from the downloaded logits where they do not.
     fn sample_step(
@@ -1570,6 +1823,16 @@ impl CudaBackend {
             }
         }
         let rows = plan.rows.len();
+        let continued = self.note_sampled(plan);
+        if let Some(ahead) = self.ahead.take() {
+            if ahead.is(plan, &params, self.info.geometry.page_tokens) {
+                return self.finish_ahead(plan, samplers, ahead);
+            }
+            // The device runs a step no one asked for: it finishes unread, and this one
+            // starts after it.
+            self.ahead_dropped += 1;
+            self.device.synchronize()?;
+        }
         let launches = self.device.launches();
         self.last_replay = None;
         let (_, projected) = self.execute(plan, LogitSelection::LastOfEachRow, &params)?;
@@ -1625,20 +1888,21 @@ impl CudaBackend {
             (Some(buffer), true) => buffer.ptr(),
             _ => DPtr::NULL,
         };
-        self.kernels.sample_rows(
-            self.ws.logits,
-            self.config.vocab_size,
-            self.meta.buffers().sample_params,
-            self.picks.ptr(),
-            mask,
-            rows,
-        )?;
+        self.sample_into(0, mask, rows)?;
         // cuBLAS's kernels are counted only inside a graph.
         self.last_step_kernels = self
             .last_replay
             .filter(|replay| !replay.captured)
             .map(|replay| replay.kernels + self.device.launches() - launches);
-        let mut picked = self.read_picks(rows)?;
+        let replay = self.last_replay;
+        if self.may_run_ahead(plan, samplers, continued) {
+            self.launch_ahead(plan, samplers, 1)?;
+        }
+        self.last_replay = replay;
+        let mut picked = self.read_picks(0, rows)?;
+        if let Some(ahead) = &mut self.ahead {
+            ahead.follows.clone_from(&picked);
+        }
         host_picks.into_iter().for_each(|(r, t)| picked[r] = t);
         for ((sampler, &token), _) in samplers
             .iter_mut()
@@ -1656,6 +1920,52 @@ impl CudaBackend {
             .map(|(s, token)| s.as_ref().map(|_| token))
             .collect())
     }
+}
+
+/// A decode step launched before the host asked for it ([`CudaOptions::run_ahead`]).
+struct Ahead {
+    /// The step as launched: each row's token is [`kernels::FED_TOKEN`] + its row, the pick of
+    /// that row of the step before.
+    plan: StepPlan,
+    /// The rows' sampling parameters, uniforms included.
+    params: Vec<u32>,
+    /// The picks of the step before, once read: the tokens this step ran on.
+    follows: Vec<u32>,
+    /// Its picks buffer and event.
+    slot: usize,
+    /// Kernels it launched, and its graph's replay.
+    kernels: usize,
+    replay: graphs::Replay,
+}
+
+impl Ahead {
+    /// Whether `plan`, sampled with `params`, is this step: its rows' tokens are the picks it
+    /// read, at the positions, pages and parameters it ran with.
+    fn is(&self, plan: &StepPlan, params: &[u32], page_tokens: usize) -> bool {
+        plan.rows.len() == self.plan.rows.len()
+            && self.follows.len() == plan.rows.len()
+            && params == self.params
+            && plan
+                .rows
+                .iter()
+                .zip(&self.plan.rows)
+                .zip(&self.follows)
+                .all(|((row, ran), &token)| {
+                    let pages = row.end_pos().div_ceil(page_tokens);
+                    row.tokens == [token]
+                        && row.start_pos == ran.start_pos
+                        && row.pages.get(..pages) == ran.pages.get(..pages)
+                })
+    }
+}
+
+/// Whether `plan` continues a step whose rows started at `last` (position and first page):
+/// the same rows, each one position on.
+fn continues(last: &[(usize, Option<PageId>)], plan: &StepPlan) -> bool {
+    last.len() == plan.rows.len()
+        && plan.rows.iter().zip(last).all(|(row, &(start, first))| {
+            row.start_pos == start + 1 && row.pages.first().copied() == first
+        })
 }
 
 /// The last position any row of `plan` reaches, plus one.

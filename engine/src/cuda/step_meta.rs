@@ -40,7 +40,7 @@ impl MetaCapacity {
     }
 
     fn typed_words(&self) -> usize {
-        4 * self.tokens
+        5 * self.tokens
             + (3 + self.table_stride + SAMPLE_PARAM_WORDS) * self.rows
             + 2 * self.items()
     }
@@ -92,7 +92,10 @@ pub struct PackRequest<'a> {
 }
 
 pub struct StepMeta {
-    staging: PinnedBuffer,
+    /// Two, used in turn: a step may be launched ahead while the upload of the one before it
+    /// still waits in the stream to read its own.
+    staging: [PinnedBuffer; 2],
+    next_staging: usize,
     blob: DeviceBuffer,
     _typed: DeviceBuffer,
     buffers: MetaBuffers,
@@ -109,7 +112,10 @@ impl StepMeta {
         page_tokens: usize,
         spare_page: PageId,
     ) -> Result<Self> {
-        let staging = PinnedBuffer::alloc(device, capacity.blob_words() * 4, "step metadata")?;
+        let staging = [
+            PinnedBuffer::alloc(device, capacity.blob_words() * 4, "step metadata")?,
+            PinnedBuffer::alloc(device, capacity.blob_words() * 4, "step metadata")?,
+        ];
         let blob = DeviceBuffer::alloc(device, capacity.blob_words() * 4, "step metadata")?;
         let typed = DeviceBuffer::alloc(device, capacity.typed_words() * 4, "step metadata")?;
         let mut next = typed.ptr::<u32>();
@@ -133,9 +139,12 @@ impl StepMeta {
                 items: take(2 * capacity.items()),
             },
             sample_params: take(SAMPLE_PARAM_WORDS * r),
+            // Picks: a row each, and a step has no more rows than tokens.
+            fed_tokens: take(t),
         };
         Ok(StepMeta {
             staging,
+            next_staging: 0,
             blob,
             _typed: typed,
             buffers,
@@ -184,11 +193,15 @@ impl StepMeta {
     }
 
     /// Packs the step, copies it to the device and spreads it into the typed buffers. The
-    /// staging blob is free to overwrite: every step ends by waiting for its results.
+    /// staging blob packed into is free: each is reused every other load, and the backend
+    /// waits between two loads for the step that used it (a step waits for its results, and
+    /// a step launched ahead for the one it follows).
     pub fn load(&mut self, kernels: &Kernels, request: &PackRequest) -> Result<StepLayout> {
         self.check(request.plan, request.pad_rows_to)?;
         let (page_tokens, spare) = (self.page_tokens, self.spare_page);
-        let words = self.staging.as_mut_slice::<u32>();
+        let staging = &mut self.staging[self.next_staging];
+        self.next_staging ^= 1;
+        let words = staging.as_mut_slice::<u32>();
         let (layout, len) = Packer {
             words,
             len: 0,
@@ -198,7 +211,7 @@ impl StepMeta {
         .pack(request);
         let blob = self.blob.ptr::<u32>();
         self.device
-            .upload(&self.staging.as_mut_slice::<u32>()[..len], blob)?;
+            .upload(&staging.as_mut_slice::<u32>()[..len], blob)?;
         kernels.unpack_step(blob, &self.buffers)?;
         Ok(layout)
     }
