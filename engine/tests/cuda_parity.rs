@@ -768,8 +768,8 @@ fn steps_launched_ahead_pick_what_waiting_steps_pick() {
     println!("run ahead: {kept} steps kept, {dropped} left unread; tokens {ahead:?}");
     assert_eq!(none, (0, 0));
     assert_eq!(ahead, waited);
-    // Most steps ran ahead; the row that ended, the prompt's step and the row that joined
-    // each left one unread.
-    assert!(kept >= 20, "{kept} steps kept");
+    // Steps ran ahead, and some were left unread: the row that ended, the prompt's step and
+    // the row that joined each change the rows (and hold off launching ahead for a while).
+    assert!(kept >= 10, "{kept} steps kept");
     assert!((1..=4).contains(&dropped), "{dropped} steps left unread");
 }

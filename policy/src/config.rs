@@ -174,7 +174,8 @@ pub struct EngineConfig {
     /// can only be the same sequences one position on (steady decoding, every row sampled on
     /// the device): the device reads each token from the step before and never waits on the
     /// host between steps. A step launched so and not asked for (a sequence ended, another
-    /// joined) is computed for nothing and left unread. Needs `cuda_graphs`.
+    /// joined) is computed for nothing and left unread. Needs `cuda_graphs`; off while drafts
+    /// are proposed (`[speculative]`), since the step after a decode step may verify drafts.
     pub run_ahead: bool,
     /// GPUs one model is split over (tensor parallelism): `device`, `device + 1`, ... unless
     /// `devices` names them. 1 runs on `device` alone.

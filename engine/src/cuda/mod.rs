@@ -132,6 +132,46 @@ mod tests {
     }
 
     #[test]
+    fn steps_are_launched_ahead_only_where_nearly_every_step_continues_the_last() {
+        // Every step eligible: the policy's part alone.
+        let launched = |pattern: &[bool], steps: usize| {
+            let mut policy = AheadPolicy::default();
+            (0..steps)
+                .filter(|&i| {
+                    policy.step(pattern[i % pattern.len()]);
+                    policy.eligible = true;
+                    policy.may()
+                })
+                .count()
+        };
+        // One request after another at batch 1, 256 steps each: its prompt's step (rows of
+        // many tokens: nothing could run ahead of it), its first decode step (which continues
+        // nothing), then decode steps that continue the last. All but a few launch ahead.
+        let mut policy = AheadPolicy::default();
+        let mut n = 0;
+        for _ in 0..8 {
+            for i in 0..256 {
+                policy.step(i >= 2);
+                policy.eligible = i >= 1;
+                n += policy.may() as usize;
+            }
+        }
+        assert!(n >= 250 * 8, "{n}");
+        assert!(!{
+            let mut policy = AheadPolicy::default();
+            policy.step(false);
+            policy.may()
+        });
+        // Rows that change every other step, or every tenth: a few while the average (which
+        // starts at 1) comes down, then none.
+        assert!(launched(&[true, false], 1000) <= 2);
+        let mut tenth = vec![true; 10];
+        tenth[9] = false;
+        assert!(launched(&tenth, 1000) <= 20, "{}", launched(&tenth, 1000));
+        assert_eq!(launched(&tenth, 2000), launched(&tenth, 1000));
+    }
+
+    #[test]
     fn a_step_run_ahead_is_kept_only_for_the_very_step_it_ran() {
         // Launched after a step at positions 40 and 16: its rows at 41 and 17, on the picks of
         // that step, which were 11 and 12.
@@ -325,7 +365,9 @@ impl CudaOptions {
             programmatic_launch: true,
             tune_gemms: true,
             resident_decode: true,
-            run_ahead: engine.run_ahead,
+            // A step after a decode step may verify drafts instead: one launched ahead
+            // would be left unread as often as drafts are proposed.
+            run_ahead: engine.run_ahead && speculative.method == SpeculativeMethod::None,
             fp8_weights: engine.quantization == policy::Quantization::Fp8,
         }
     }
@@ -457,6 +499,8 @@ pub struct CudaBackend {
     /// Steps launched ahead so far: kept (the step asked for next), and left unread.
     ahead_kept: u64,
     ahead_dropped: u64,
+    /// When the next step may be launched ahead.
+    ahead_policy: AheadPolicy,
     /// Where each row of the last sampled step started, and its first page: whether a step
     /// continues it ([`continues`]).
     last_sampled: Vec<(usize, Option<PageId>)>,
@@ -615,6 +659,7 @@ impl CudaBackend {
             ahead: None,
             ahead_kept: 0,
             ahead_dropped: 0,
+            ahead_policy: AheadPolicy::default(),
             last_sampled: Vec::new(),
             meta: StepMeta::new(&device, capacity, options.page_tokens, pool.spare_page())?,
             ws: Workspace::new(&device, &config, sizes)?,
@@ -1688,33 +1733,34 @@ impl CudaBackend {
         Ok(masked)
     }
 
-    /// Notes where `plan`'s rows start, and says whether it continues the last sampled step:
-    /// the same rows (by their first page), each one position on.
-    fn note_sampled(&mut self, plan: &StepPlan) -> bool {
-        let continued = continues(&self.last_sampled, plan);
+    /// Notes where `plan`'s rows start, and whether it continues the last sampled step: the
+    /// same rows (by their first page), each one position on.
+    fn note_sampled(&mut self, plan: &StepPlan) {
+        self.ahead_policy.step(continues(&self.last_sampled, plan));
         self.last_sampled.clear();
         self.last_sampled.extend(
             plan.rows
                 .iter()
                 .map(|row| (row.start_pos, row.pages.first().copied())),
         );
-        continued
     }
 
     /// Whether the step after `plan` may be launched before its picks are read
-    /// ([`CudaOptions::run_ahead`]): `plan` continued the step before (steady decoding, where
-    /// the next step is most likely the same rows again), every row is one token picked on
-    /// the device with its next position's page held, and that step's graph is captured.
-    fn may_run_ahead(
-        &self,
-        plan: &StepPlan,
-        samplers: &[Option<&mut Sampler>],
-        continued: bool,
-    ) -> bool {
+    /// ([`CudaOptions::run_ahead`]): steady decoding, where the next step is most likely the
+    /// same rows again ([`AheadPolicy`]), every row one token picked on the device with its
+    /// next position's page held, and that step's graph captured.
+    fn may_run_ahead(&mut self, plan: &StepPlan, samplers: &[Option<&mut Sampler>]) -> bool {
+        let eligible = self.could_run_ahead(plan, samplers);
+        self.ahead_policy.eligible = eligible;
+        eligible && self.ahead_policy.may()
+    }
+
+    /// Whether the step after `plan` could be launched ahead, whatever the policy says.
+    fn could_run_ahead(&self, plan: &StepPlan, samplers: &[Option<&mut Sampler>]) -> bool {
         let Some(graphs) = self.graphs.as_ref() else {
             return false;
         };
-        if !self.run_ahead || !continued || self.tp.is_some() {
+        if !self.run_ahead || self.tp.is_some() {
             return false;
         }
         let max_rows = self.ws.sizes.rows.min(self.ws.sizes.logit_rows);
@@ -1791,7 +1837,7 @@ impl CudaBackend {
         ahead: Ahead,
     ) -> Result<Vec<Option<u32>>> {
         self.ahead_kept += 1;
-        if self.may_run_ahead(plan, samplers, true) {
+        if self.may_run_ahead(plan, samplers) {
             self.launch_ahead(plan, samplers, 1 - ahead.slot)?;
         }
         self.last_replay = Some(ahead.replay);
@@ -1823,7 +1869,7 @@ impl CudaBackend {
             }
         }
         let rows = plan.rows.len();
-        let continued = self.note_sampled(plan);
+        self.note_sampled(plan);
         if let Some(ahead) = self.ahead.take() {
             if ahead.is(plan, &params, self.info.geometry.page_tokens) {
                 return self.finish_ahead(plan, samplers, ahead);
@@ -1895,7 +1941,7 @@ impl CudaBackend {
             .filter(|replay| !replay.captured)
             .map(|replay| replay.kernels + self.device.launches() - launches);
         let replay = self.last_replay;
-        if self.may_run_ahead(plan, samplers, continued) {
+        if self.may_run_ahead(plan, samplers) {
             self.launch_ahead(plan, samplers, 1)?;
         }
         self.last_replay = replay;
@@ -1956,6 +2002,53 @@ impl Ahead {
                         && row.start_pos == ran.start_pos
                         && row.pages.get(..pages) == ran.pages.get(..pages)
                 })
+    }
+}
+
+/// When a step may be launched ahead. A step left unread costs the device a whole step, and
+/// one kept saves only the host's gap between two (~2–5% of a small step, less of a large
+/// one), so it pays only where nearly every step continues the one before. The policy keeps a
+/// moving average of how often a step after which one could have been launched ahead was
+/// followed by its continuation (every such step counts, launched ahead or not, so it
+/// recovers where it stopped launching), and launches after a step that continued its
+/// predecessor while that average is at least [`AheadPolicy::MIN_RATE`]: one sequence
+/// decoding launches all but two or three steps of each request; rows that change every few
+/// steps (sequences ending and joining at a high rate) launch none.
+#[derive(Debug, Clone, Copy)]
+struct AheadPolicy {
+    /// Whether the last sampled step could have had its successor launched ahead.
+    eligible: bool,
+    /// Whether the last sampled step continued the one before it.
+    continued: bool,
+    /// Moving average of `continued` after eligible steps, over about the last
+    /// 1 / [`AheadPolicy::WEIGHT`] of them.
+    rate: f32,
+}
+
+impl Default for AheadPolicy {
+    fn default() -> Self {
+        AheadPolicy {
+            eligible: false,
+            continued: false,
+            rate: 1.0,
+        }
+    }
+}
+
+impl AheadPolicy {
+    const WEIGHT: f32 = 1.0 / 32.0;
+    const MIN_RATE: f32 = 0.97;
+
+    /// A sampled step, and whether it continued the one before.
+    fn step(&mut self, continued: bool) {
+        self.continued = continued;
+        if self.eligible {
+            self.rate += (continued as u8 as f32 - self.rate) * Self::WEIGHT;
+        }
+    }
+
+    fn may(&self) -> bool {
+        self.continued && self.rate >= Self::MIN_RATE
     }
 }
 
