@@ -310,12 +310,12 @@ pub struct CudaOptions {
     /// shared memory, copied before the kernel before ends, instead of split over a cluster of
     /// blocks (see [`kernels::Kernels::decode_attention_resident`]).
     pub resident_decode: bool,
-    /// Launch the next decode step before the host reads this one's picks, where it can only
-    /// be the same rows one position on (every row sampled on the device, its next page held,
-    /// and the step before continued the same way): the step's tokens are read on the device
-    /// from the picks of the one before. Kept when the next step asked for is that one, left
-    /// unread when it is not. The device then goes from step to step without waiting on the
-    /// host ([`CudaBackend::launch_ahead`]).
+    /// Launch the next decode step before the host reads this one's picks, where it is most
+    /// likely the same rows one position on (every row sampled on the device, its next page
+    /// held, and nearly every recent step continued the one before: `AheadPolicy`): the
+    /// step's tokens are read on the device from the picks of the one before. Kept when the
+    /// next step asked for is that one, left unread when it is not. The device then goes from
+    /// step to step without waiting on the host ([`CudaBackend::launch_ahead`]).
     pub run_ahead: bool,
     /// Hold the layers' projections in FP8 (e4m3, a scale a row) and run them as FP8 products
     /// (`[engine] quantization = "fp8"`; Hopper: cuBLASLt takes its per-row scales on sm_90 only).
