@@ -315,7 +315,7 @@ pub struct CudaOptions {
     /// held, and nearly every recent step continued the one before: `AheadPolicy`): the
     /// step's tokens are read on the device from the picks of the one before. Kept when the
     /// next step asked for is that one, left unread when it is not. The device then goes from
-    /// step to step without waiting on the host ([`CudaBackend::launch_ahead`]).
+    /// step to step without waiting on the host (`CudaBackend::launch_ahead`).
     pub run_ahead: bool,
     /// Hold the layers' projections in FP8 (e4m3, a scale a row) and run them as FP8 products
     /// (`[engine] quantization = "fp8"`; Hopper: cuBLASLt takes its per-row scales on sm_90 only).
