@@ -187,11 +187,15 @@ __device__ u32 draw(const float* w, u32 vocab, double uniform, double* ds, u32* 
 // not null, holds a bitmask of ceil(vocab / 32) words per row (bit t of word t / 32 set: token
 // t may come next, a grammar's verdict); other tokens' logits become -inf first. The picks go to
 // `tokens` (page-locked host memory the host reads) and to `fed` (device memory), from which
-// the next step's `unpack_step` takes the tokens of rows that follow these picks.
+// the next step's `unpack_step` takes the tokens of rows that follow these picks. With `slot` not
+// null the picks go to `tokens + *slot * stride`: a step's slot of the host's picks buffer, which
+// its metadata names (a decode graph that samples is replayed for either slot).
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(float* __restrict__ logits, u32 vocab, const u32* __restrict__ params,
-                u32* __restrict__ tokens, const u32* __restrict__ mask, u32* __restrict__ fed) {
+                u32* __restrict__ tokens, const u32* __restrict__ mask, u32* __restrict__ fed,
+                const u32* __restrict__ slot, u32 stride) {
     pdl_begin();
+    if (slot != nullptr) tokens += *slot * stride;
     __shared__ float fs[32];
     __shared__ u32 us[SAMPLE_THREADS];
     __shared__ double ds[SAMPLE_THREADS];

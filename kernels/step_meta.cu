@@ -3,7 +3,7 @@
 // CUDA graph needs).
 //
 // Blob layout (u32 words), after a header of STEP_HEADER_WORDS:
-//   header: tokens, rows, items, page entries, sampled rows
+//   header: tokens, rows, items, page entries, sampled rows, picks slot
 //   per token:  id, position, slot, logit row (NO_ROW when its logits are not wanted)
 //   per row:    first token, first position, tokens, first page entry, pages
 //   page entries
@@ -25,8 +25,9 @@ extern "C" __global__ void unpack_step(const u32* __restrict__ blob, u32* __rest
                                        u32* __restrict__ page_table, u32 table_stride,
                                        u32* __restrict__ items_out,
                                        u32* __restrict__ sample_params,
-                                       const u32* __restrict__ fed) {
+                                       const u32* __restrict__ fed, u32* __restrict__ picks_slot) {
     pdl_begin();
+    if (blockIdx.x == 0 && threadIdx.x == 0) *picks_slot = blob[5];
     u32 tokens = blob[0], rows = blob[1], items = blob[2], entries = blob[3], sampled = blob[4];
     const u32* tok = blob + STEP_HEADER_WORDS;
     const u32* row = tok + 4 * tokens;

@@ -19,10 +19,11 @@ use crate::error::Result;
 pub const BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 
 /// The key of a decode graph: its bucket, whether its rows are a verification's positions whose
-/// k and v are stored before attention (`AttentionMode::Decode::append_first`), and its
-/// attention's splits (fewer where every row is short: `forward::decode_splits_within`).
-pub fn key(bucket: usize, append_first: bool, splits: usize) -> usize {
-    bucket | (append_first as usize) << 20 | splits << 21
+/// k and v are stored before attention (`AttentionMode::Decode::append_first`), its attention's
+/// splits (fewer where every row is short: `forward::decode_splits_within`), and whether it
+/// samples every row after the logits.
+pub fn key(bucket: usize, append_first: bool, splits: usize, samples: bool) -> usize {
+    bucket | (samples as usize) << 19 | (append_first as usize) << 20 | splits << 21
 }
 
 /// The smallest bucket holding `rows` rows, if any does and the step fits the workspaces.
@@ -122,7 +123,9 @@ mod tests {
         for bucket in BUCKETS {
             for append_first in [false, true] {
                 for splits in 1..=128 {
-                    assert!(keys.insert(key(bucket, append_first, splits)));
+                    for samples in [false, true] {
+                        assert!(keys.insert(key(bucket, append_first, splits, samples)));
+                    }
                 }
             }
         }

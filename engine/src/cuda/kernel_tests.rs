@@ -1129,6 +1129,7 @@ impl AttentionCase {
                     item_tokens,
                     decode_rows_apart: false,
                     sample_params: &[],
+                    picks_slot: 0,
                 },
             )
             .unwrap();
@@ -1422,6 +1423,7 @@ fn check_verification_rows(shape: AttnShape, verifications: &[(usize, usize)], s
                 item_tokens: 0,
                 decode_rows_apart: false,
                 sample_params: &[],
+                picks_slot: 0,
             },
         )
         .unwrap();
@@ -1620,6 +1622,8 @@ fn sampling_matches_the_reference_rule() {
             Picks {
                 host: tokens.ptr(),
                 fed: fed.ptr(),
+                slot: DPtr::NULL,
+                stride: 0,
             },
             DPtr::NULL,
             rows.len(),
@@ -1769,6 +1773,7 @@ fn step_metadata_lands_in_its_typed_buffers() {
                 item_tokens: 2,
                 decode_rows_apart: false,
                 sample_params: &sample,
+                picks_slot: 1,
             },
         )
         .unwrap();
@@ -1795,6 +1800,7 @@ fn step_metadata_lands_in_its_typed_buffers() {
     // The item attending the most positions first (row 0 from position 32, then 30).
     assert_eq!(g.download(b.rows.items, 10), [0, 2, 0, 0, 1, 0, 2, 0, 3, 0]);
     assert_eq!(g.download(b.sample_params, 6), sample);
+    assert_eq!(g.download(b.picks_slot, 1), [1]);
     // A step launched ahead of the picks it follows: its tokens are read from the picks the
     // sampling kernel left on the device, by row; ids below FED_TOKEN are kept as they are.
     g.device.upload(&[41u32, 42, 43], b.fed_tokens).unwrap();
@@ -1818,6 +1824,7 @@ fn step_metadata_lands_in_its_typed_buffers() {
             item_tokens: 0,
             decode_rows_apart: false,
             sample_params: &[],
+            picks_slot: 0,
         },
     )
     .unwrap();
@@ -1890,6 +1897,8 @@ fn sampling_picks_only_what_the_mask_allows() {
             Picks {
                 host: tokens.ptr(),
                 fed: fed.ptr(),
+                slot: DPtr::NULL,
+                stride: 0,
             },
             mask_d.ptr(),
             rows.len(),

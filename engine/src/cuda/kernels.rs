@@ -784,7 +784,9 @@ impl Kernels {
             .ptr(params)
             .ptr(picks.host)
             .ptr(mask)
-            .ptr(picks.fed);
+            .ptr(picks.fed)
+            .ptr(picks.slot)
+            .u32(picks.stride as u32);
         self.device.launch(
             &self.sample_rows,
             (rows as u32, 1, 1),
@@ -842,7 +844,8 @@ impl Kernels {
             .u32(to.rows.table_stride as u32)
             .ptr(to.rows.items)
             .ptr(to.sample_params)
-            .ptr(to.fed_tokens);
+            .ptr(to.fed_tokens)
+            .ptr(to.picks_slot);
         let blocks = self.device.multiprocessors;
         self.device
             .launch(&self.unpack_step, (blocks, 1, 1), THREADS, &args)
@@ -1155,14 +1158,20 @@ pub struct MetaBuffers {
     /// The last sampled step's picks, a row each, on the device: where a step launched ahead
     /// of the host reading them takes its tokens from ([`FED_TOKEN`]).
     pub fed_tokens: DPtr<u32>,
+    /// One word: which slot of the host's picks buffer this step's picks go to.
+    pub picks_slot: DPtr<u32>,
 }
 
 /// Where [`Kernels::sample_rows`] writes its picks, a row each: for the host (page-locked
 /// memory it reads), and on the device, for a step launched ahead to take its tokens from.
+/// With `slot` not null the host's go `*slot * stride` words into `host` (the step's slot,
+/// which its metadata names: [`MetaBuffers::picks_slot`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Picks {
     pub host: DPtr<u32>,
     pub fed: DPtr<u32>,
+    pub slot: DPtr<u32>,
+    pub stride: usize,
 }
 
 /// A token id of a step's plan that stands for the pick of row `id - FED_TOKEN` of the sampled

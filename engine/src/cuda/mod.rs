@@ -488,9 +488,11 @@ pub struct CudaBackend {
     host_logits: Vec<f32>,
     /// The sampling kernel's picks, written by the device straight into page-locked host
     /// memory: the host reads them once the step's event has passed, with no copy to queue and
-    /// no driver staging of a pageable download. Two, each with its event: a step launched
-    /// ahead writes the one its predecessor does not.
-    picks: [PinnedBuffer; 2],
+    /// no driver staging of a pageable download. Two slots of `picks_stride` words, each with
+    /// its event: a step launched ahead writes the one its predecessor does not (a step's
+    /// metadata names its slot, so a graph that samples serves both).
+    picks: PinnedBuffer,
+    picks_stride: usize,
     picked: [CudaEvent; 2],
     /// [`CudaOptions::run_ahead`].
     run_ahead: bool,
@@ -644,16 +646,14 @@ impl CudaBackend {
             vocab_size: config.vocab_size,
             max_positions: config.max_position_embeddings,
         };
-        let picks = [
-            PinnedBuffer::alloc(&device, sizes.rows * 4, "the sampled tokens")?,
-            PinnedBuffer::alloc(&device, sizes.rows * 4, "the sampled tokens")?,
-        ];
+        let picks = PinnedBuffer::alloc(&device, 2 * sizes.rows * 4, "the sampled tokens")?;
         let picked = [
             device.context().new_event(None)?,
             device.context().new_event(None)?,
         ];
         let mut backend = CudaBackend {
             picks,
+            picks_stride: sizes.rows,
             picked,
             run_ahead: options.run_ahead,
             ahead: None,
@@ -975,12 +975,14 @@ impl CudaBackend {
     }
 
     /// Runs a step's layers. Returns how it was packed and whether the logits of its packed rows
-    /// are already projected (a replayed graph does that too).
+    /// are already projected (a replayed graph does that too, and with `picks` its sampling
+    /// as well, into that slot of the picks buffer).
     fn execute(
         &mut self,
         plan: &StepPlan,
         select: LogitSelection,
         sample_params: &[u32],
+        picks: Option<usize>,
     ) -> Result<(StepLayout, bool)> {
         let decode = plan.rows.iter().all(|r| r.tokens.len() == 1);
         let max_rows = self.ws.sizes.rows.min(self.ws.sizes.logit_rows);
@@ -992,7 +994,7 @@ impl CudaBackend {
         self.device
             .set_programmatic_launch(self.programmatic_launch && small);
         if let Some(bucket) = bucket {
-            return self.replay_decode(plan, bucket, sample_params, false);
+            return self.replay_decode(plan, bucket, sample_params, false, picks);
         }
         let item_tokens = if decode {
             0
@@ -1008,6 +1010,7 @@ impl CudaBackend {
                 item_tokens,
                 decode_rows_apart: true,
                 sample_params,
+                picks_slot: 0,
             },
         )?;
         let shape = self.attn_shape();
@@ -1049,27 +1052,37 @@ impl CudaBackend {
         Ok((layout, false))
     }
 
-    /// A decode step through the graph of `bucket` rows: layers and logits of every row. With
-    /// `append_first`, a graph of its own stores every row's k and v before each layer's
-    /// attention (rows that are one sequence's verified positions).
+    /// A decode step through the graph of `bucket` rows: the unpacking of its metadata (copied
+    /// before), layers and logits of every row, and with `picks` the sampling of every row
+    /// into that slot of the picks buffer (a graph of its own). With `append_first`, a graph
+    /// of its own stores every row's k and v before each layer's attention (rows that are one
+    /// sequence's verified positions).
     fn replay_decode(
         &mut self,
         plan: &StepPlan,
         bucket: usize,
         sample_params: &[u32],
         append_first: bool,
+        picks: Option<usize>,
     ) -> Result<(StepLayout, bool)> {
-        let layout = self.meta.load(
-            &self.kernels,
-            &PackRequest {
-                plan,
-                select: LogitSelection::LastOfEachRow,
-                pad_rows_to: bucket,
-                item_tokens: 0,
-                decode_rows_apart: false,
-                sample_params,
-            },
-        )?;
+        // The graph samples its padding rows too: greedily.
+        let mut padded = Vec::new();
+        let sample_params = if picks.is_some() {
+            padded.extend_from_slice(sample_params);
+            padded.resize(bucket * kernels::SAMPLE_PARAM_WORDS, 0);
+            &padded
+        } else {
+            sample_params
+        };
+        let layout = self.meta.stage(&PackRequest {
+            plan,
+            select: LogitSelection::LastOfEachRow,
+            pad_rows_to: bucket,
+            item_tokens: 0,
+            decode_rows_apart: false,
+            sample_params,
+            picks_slot: picks.unwrap_or(0),
+        })?;
         // A decode step of rows short enough to merge in clusters takes a cluster's splits, and
         // so a graph of its own; a verification keeps the splits of before.
         let longest = if append_first {
@@ -1085,9 +1098,11 @@ impl CudaBackend {
         // Out of `self` while replaying, so that `forward()` can borrow the rest of it.
         let mut graphs = self.graphs.take().expect("only called with graphs on");
         let forward = self.forward_with_gemv(gemv_max_tokens);
-        let key = graphs::key(bucket, append_first, splits);
+        let key = graphs::key(bucket, append_first, splits, picks.is_some());
+        let (meta, kernels, sampled) = (&self.meta, &self.kernels, self.picks_out());
         let mut replay = || {
             graphs.replay(&self.device, key, || {
+                meta.unpack(kernels)?;
                 forward.run(
                     bucket,
                     AttentionMode::Decode {
@@ -1096,7 +1111,18 @@ impl CudaBackend {
                         append_first,
                     },
                 )?;
-                forward.logits(0, bucket)
+                forward.logits(0, bucket)?;
+                if picks.is_some() {
+                    kernels.sample_rows(
+                        self.ws.logits,
+                        self.config.vocab_size,
+                        meta.buffers().sample_params,
+                        sampled,
+                        DPtr::NULL,
+                        bucket,
+                    )?;
+                }
+                Ok(())
             })
         };
         // A split model's graph launch is an exchange's too (see `collective::HostFence`).
@@ -1163,7 +1189,8 @@ impl CudaBackend {
         // A graph is captured the first time its bucket verifies; if that fails (another
         // thread's call into the driver can break a capture), the step runs eagerly and the
         // next one captures again.
-        let replayed = bucket.map(|bucket| self.replay_decode(&positions, bucket, &params, true));
+        let replayed =
+            bucket.map(|bucket| self.replay_decode(&positions, bucket, &params, true, None));
         if let Some(Err(e)) = &replayed {
             tracing::warn!("a verification graph could not run, so this step runs without: {e}");
         }
@@ -1177,6 +1204,7 @@ impl CudaBackend {
                     item_tokens: 0,
                     decode_rows_apart: false,
                     sample_params: &params,
+                    picks_slot: 0,
                 },
             )?;
             let (splits, gemv_max_tokens) = self.decode_launch(layout.rows, usize::MAX, invariant);
@@ -1221,32 +1249,46 @@ impl CudaBackend {
         if !self.leads() {
             return Ok(vec![0; rows]);
         }
-        self.sample_into(0, DPtr::NULL, rows)?;
+        self.sample_into(DPtr::NULL, rows)?;
         self.read_picks(0, rows)
     }
 
-    /// Picks from logit rows `0..rows` with the step's sample parameters, among what `mask`
-    /// allows ([`DPtr::NULL`]: everything), into picks buffer `slot`, and records its event.
-    fn sample_into(&mut self, slot: usize, mask: DPtr<u32>, rows: usize) -> Result<()> {
+    /// Where the sampling kernel writes a step's picks: the slot its metadata names.
+    fn picks_out(&self) -> kernels::Picks {
         let buffers = self.meta.buffers();
+        kernels::Picks {
+            host: self.picks.ptr(),
+            fed: buffers.fed_tokens,
+            slot: buffers.picks_slot,
+            stride: self.picks_stride,
+        }
+    }
+
+    /// Picks from logit rows `0..rows` with the step's sample parameters, among what `mask`
+    /// allows ([`DPtr::NULL`]: everything), into the picks slot of a step not replayed with its
+    /// sampling (slot 0), and records its event.
+    fn sample_into(&mut self, mask: DPtr<u32>, rows: usize) -> Result<()> {
         self.kernels.sample_rows(
             self.ws.logits,
             self.config.vocab_size,
-            buffers.sample_params,
-            kernels::Picks {
-                host: self.picks[slot].ptr(),
-                fed: buffers.fed_tokens,
-            },
+            self.meta.buffers().sample_params,
+            self.picks_out(),
             mask,
             rows,
         )?;
+        self.mark_picked(0)
+    }
+
+    /// Records that the picks of slot `slot` are queued.
+    fn mark_picked(&mut self, slot: usize) -> Result<()> {
         Ok(self.picked[slot].record(self.device.stream())?)
     }
 
-    /// Waits for the step that picked into buffer `slot`, then reads its `rows` picks.
+    /// Waits for the step that picked into slot `slot`, then reads its `rows` picks.
     fn read_picks(&mut self, slot: usize, rows: usize) -> Result<Vec<u32>> {
         self.picked[slot].synchronize()?;
-        Ok(self.picks[slot].as_mut_slice::<u32>()[..rows].to_vec())
+        let at = slot * self.picks_stride;
+        Ok(self.picks.as_mut_slice::<u32>()[at..at + rows].to_vec())
     }
 
     /// Waits for a step launched ahead that no one asked for, if one is in flight: the step
@@ -1279,7 +1321,7 @@ impl CudaBackend {
     }
 
     fn step_logits(&mut self, plan: &StepPlan) -> Result<StepOutput> {
-        let (layout, projected) = self.execute(plan, LogitSelection::Wanted, &[])?;
+        let (layout, projected) = self.execute(plan, LogitSelection::Wanted, &[], None)?;
         let vocab = self.config.vocab_size;
         if !self.leads() {
             // The same projections (and exchanges) as rank 0's, whose results it keeps.
@@ -1677,7 +1719,7 @@ impl CudaBackend {
         let logit_rows: usize = plan.rows.iter().map(RowPlan::logit_rows).sum();
         let mut params = Vec::with_capacity(logit_rows * kernels::SAMPLE_PARAM_WORDS);
         (0..logit_rows).for_each(|_| sample::push_greedy(&mut params));
-        let (layout, projected) = self.execute(plan, LogitSelection::Wanted, &params)?;
+        let (layout, projected) = self.execute(plan, LogitSelection::Wanted, &params, None)?;
         if projected {
             return Err(EngineError::InvalidStep(
                 "a verification step ran as a decode graph".into(),
@@ -1777,7 +1819,7 @@ impl CudaBackend {
             .iter()
             .all(|s| s.as_ref().is_some_and(|s| s.samples_on_device()));
         let (splits, _) = self.decode_launch(bucket, longest_row(plan) + 1, false);
-        rows_go_on && on_device && graphs.has(graphs::key(bucket, false, splits))
+        rows_go_on && on_device && graphs.has(graphs::key(bucket, false, splits, true))
     }
 
     /// Launches the step after `plan`, before `plan`'s picks are read: its rows one position
@@ -1811,12 +1853,13 @@ impl CudaBackend {
         }
         let launches = self.device.launches();
         self.last_replay = None;
-        let (_, projected) = self.execute(&next, LogitSelection::LastOfEachRow, &params)?;
+        let (_, projected) =
+            self.execute(&next, LogitSelection::LastOfEachRow, &params, Some(slot))?;
         assert!(projected, "a step run ahead replays a decode graph");
         let replay = self
             .last_replay
             .expect("a step run ahead replays a decode graph");
-        self.sample_into(slot, DPtr::NULL, next.rows.len())?;
+        self.mark_picked(slot)?;
         self.ahead = Some(Ahead {
             plan: next,
             params,
@@ -1847,6 +1890,36 @@ impl CudaBackend {
             next.follows.clone_from(&picked);
         }
         Ok(picked.into_iter().map(Some).collect())
+    }
+
+    /// A step whose decode graph sampled every row into picks slot 0: launches the next step
+    /// ahead where it may, then waits for the picks.
+    fn sampled_in_graph(
+        &mut self,
+        plan: &StepPlan,
+        samplers: &mut [Option<&mut Sampler>],
+        launches: usize,
+    ) -> Result<Vec<Option<u32>>> {
+        self.mark_picked(0)?;
+        // cuBLAS's kernels are counted only inside a graph.
+        self.last_step_kernels = self
+            .last_replay
+            .filter(|replay| !replay.captured)
+            .map(|replay| replay.kernels + self.device.launches() - launches);
+        let replay = self.last_replay;
+        if self.may_run_ahead(plan, samplers) {
+            self.launch_ahead(plan, samplers, 1)?;
+        }
+        self.last_replay = replay;
+        let picked = self.read_picks(0, plan.rows.len())?;
+        if let Some(ahead) = &mut self.ahead {
+            ahead.follows.clone_from(&picked);
+        }
+        Ok(samplers
+            .iter()
+            .zip(picked)
+            .map(|(s, token)| s.as_ref().map(|_| token))
+            .collect())
     }
 
     /// One step whose rows' next tokens are picked on the device where their samplers allow,
@@ -1881,7 +1954,18 @@ impl CudaBackend {
         }
         let launches = self.device.launches();
         self.last_replay = None;
-        let (_, projected) = self.execute(plan, LogitSelection::LastOfEachRow, &params)?;
+        // Rows all picked on the device, none through a grammar's mask: a decode graph samples
+        // them too.
+        let in_graph = self.tp.is_none()
+            && samplers
+                .iter()
+                .all(|s| s.as_ref().is_none_or(|s| s.samples_on_device()));
+        let picks = in_graph.then_some(0);
+        let (_, projected) = self.execute(plan, LogitSelection::LastOfEachRow, &params, picks)?;
+        if projected && in_graph {
+            return self.sampled_in_graph(plan, samplers, launches);
+        }
+        self.ahead_policy.eligible = false;
         if !projected {
             self.forward().logits(0, rows)?;
         }
@@ -1934,21 +2018,13 @@ impl CudaBackend {
             (Some(buffer), true) => buffer.ptr(),
             _ => DPtr::NULL,
         };
-        self.sample_into(0, mask, rows)?;
+        self.sample_into(mask, rows)?;
         // cuBLAS's kernels are counted only inside a graph.
         self.last_step_kernels = self
             .last_replay
             .filter(|replay| !replay.captured)
             .map(|replay| replay.kernels + self.device.launches() - launches);
-        let replay = self.last_replay;
-        if self.may_run_ahead(plan, samplers) {
-            self.launch_ahead(plan, samplers, 1)?;
-        }
-        self.last_replay = replay;
         let mut picked = self.read_picks(0, rows)?;
-        if let Some(ahead) = &mut self.ahead {
-            ahead.follows.clone_from(&picked);
-        }
         host_picks.into_iter().for_each(|(r, t)| picked[r] = t);
         for ((sampler, &token), _) in samplers
             .iter_mut()

@@ -40,7 +40,7 @@ impl MetaCapacity {
     }
 
     fn typed_words(&self) -> usize {
-        5 * self.tokens
+        1 + 5 * self.tokens
             + (3 + self.table_stride + SAMPLE_PARAM_WORDS) * self.rows
             + 2 * self.items()
     }
@@ -89,6 +89,9 @@ pub struct PackRequest<'a> {
     pub decode_rows_apart: bool,
     /// Sampling parameters of rows `0..`, `SAMPLE_PARAM_WORDS` words each.
     pub sample_params: &'a [u32],
+    /// The slot of the host's picks buffer the step's sampling writes
+    /// ([`super::kernels::Picks`]).
+    pub picks_slot: usize,
 }
 
 pub struct StepMeta {
@@ -141,6 +144,7 @@ impl StepMeta {
             sample_params: take(SAMPLE_PARAM_WORDS * r),
             // Picks: a row each, and a step has no more rows than tokens.
             fed_tokens: take(t),
+            picks_slot: take(1),
         };
         Ok(StepMeta {
             staging,
@@ -197,6 +201,20 @@ impl StepMeta {
     /// waits between two loads for the step that used it (a step waits for its results, and
     /// a step launched ahead for the one it follows).
     pub fn load(&mut self, kernels: &Kernels, request: &PackRequest) -> Result<StepLayout> {
+        let layout = self.stage(request)?;
+        self.unpack(kernels)?;
+        Ok(layout)
+    }
+
+    /// Spreads the blob [`StepMeta::stage`] copied into the typed buffers: one launch, which a
+    /// decode graph holds as its first node.
+    pub fn unpack(&self, kernels: &Kernels) -> Result<()> {
+        kernels.unpack_step(self.blob.ptr::<u32>(), &self.buffers)
+    }
+
+    /// Packs the step and queues its copy to the device: [`StepMeta::load`] without the
+    /// unpacking.
+    pub fn stage(&mut self, request: &PackRequest) -> Result<StepLayout> {
         self.check(request.plan, request.pad_rows_to)?;
         let (page_tokens, spare) = (self.page_tokens, self.spare_page);
         let staging = &mut self.staging[self.next_staging];
@@ -212,7 +230,6 @@ impl StepMeta {
         let blob = self.blob.ptr::<u32>();
         self.device
             .upload(&staging.as_mut_slice::<u32>()[..len], blob)?;
-        kernels.unpack_step(blob, &self.buffers)?;
         Ok(layout)
     }
 }
@@ -265,7 +282,14 @@ impl Packer<'_> {
         let tokens: usize = rows.iter().map(|r| r.tokens.len()).sum();
         let entries: usize = rows.iter().map(|r| r.pages.len()).sum();
         let sampled = request.sample_params.len() / SAMPLE_PARAM_WORDS;
-        for word in [tokens, rows.len(), items.len(), entries, sampled] {
+        for word in [
+            tokens,
+            rows.len(),
+            items.len(),
+            entries,
+            sampled,
+            request.picks_slot,
+        ] {
             self.push(word as u32);
         }
         while self.len < STEP_HEADER_WORDS {
