@@ -2,9 +2,11 @@
 //!
 //! A decode step of `n` rows runs as the graph of the smallest bucket holding `n`, its extra
 //! rows padded (see `step_meta`). A bucket's graph is captured the first time it is needed: the
-//! launches of one decode pass are recorded, not run, then instantiated and replayed. Replays
-//! read the step's metadata from the buffers `step_meta` refills before each one, so nothing in
-//! a graph is ever updated. Each graph knows how many kernels it holds, cuBLAS's included.
+//! launches of one decode pass are recorded, not run, then instantiated and replayed. A graph's
+//! first node spreads the step's metadata, copied to a fixed device blob just before each
+//! replay, into the typed buffers every later node reads, so nothing in a graph is ever
+//! updated; a graph that samples ends with the sampling, into the picks slot the metadata
+//! names. Each graph knows how many kernels it holds, cuBLAS's included.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
