@@ -185,7 +185,6 @@ mod tests {
             params: vec![1, 2, 3],
             follows: vec![11, 12],
             slot: 1,
-            kernels: 10,
             replay: graphs::Replay {
                 kernels: 8,
                 captured: false,
@@ -1851,7 +1850,6 @@ impl CudaBackend {
             sample::push_params(sampler, &mut params);
             sampler.rewind_draws(at);
         }
-        let launches = self.device.launches();
         self.last_replay = None;
         let (_, projected) =
             self.execute(&next, LogitSelection::LastOfEachRow, &params, Some(slot))?;
@@ -1865,7 +1863,6 @@ impl CudaBackend {
             params,
             follows: Vec::new(),
             slot,
-            kernels: replay.kernels + self.device.launches() - launches,
             replay,
         });
         Ok(())
@@ -1880,16 +1877,31 @@ impl CudaBackend {
         ahead: Ahead,
     ) -> Result<Vec<Option<u32>>> {
         self.ahead_kept += 1;
-        if self.may_run_ahead(plan, samplers) {
-            self.launch_ahead(plan, samplers, 1 - ahead.slot)?;
-        }
         self.last_replay = Some(ahead.replay);
-        self.last_step_kernels = Some(ahead.kernels);
-        let picked = self.read_picks(ahead.slot, plan.rows.len())?;
+        self.last_step_kernels = Some(ahead.replay.kernels);
+        let picked = self.run_ahead_then_read(plan, samplers, ahead.slot)?;
+        Ok(picked.into_iter().map(Some).collect())
+    }
+
+    /// Launches the step after `plan` ahead where it may, then waits for `plan`'s picks (in
+    /// slot `slot`) and gives them to that step as the tokens it runs on.
+    fn run_ahead_then_read(
+        &mut self,
+        plan: &StepPlan,
+        samplers: &mut [Option<&mut Sampler>],
+        slot: usize,
+    ) -> Result<Vec<u32>> {
+        // What this step replayed, not the step launched ahead.
+        let replay = self.last_replay;
+        if self.may_run_ahead(plan, samplers) {
+            self.launch_ahead(plan, samplers, 1 - slot)?;
+        }
+        self.last_replay = replay;
+        let picked = self.read_picks(slot, plan.rows.len())?;
         if let Some(next) = &mut self.ahead {
             next.follows.clone_from(&picked);
         }
-        Ok(picked.into_iter().map(Some).collect())
+        Ok(picked)
     }
 
     /// A step whose decode graph sampled every row into picks slot 0: launches the next step
@@ -1898,23 +1910,14 @@ impl CudaBackend {
         &mut self,
         plan: &StepPlan,
         samplers: &mut [Option<&mut Sampler>],
-        launches: usize,
     ) -> Result<Vec<Option<u32>>> {
         self.mark_picked(0)?;
-        // cuBLAS's kernels are counted only inside a graph.
+        // The graph holds every kernel of the step (cuBLAS's too), unless it was captured now.
         self.last_step_kernels = self
             .last_replay
             .filter(|replay| !replay.captured)
-            .map(|replay| replay.kernels + self.device.launches() - launches);
-        let replay = self.last_replay;
-        if self.may_run_ahead(plan, samplers) {
-            self.launch_ahead(plan, samplers, 1)?;
-        }
-        self.last_replay = replay;
-        let picked = self.read_picks(0, plan.rows.len())?;
-        if let Some(ahead) = &mut self.ahead {
-            ahead.follows.clone_from(&picked);
-        }
+            .map(|replay| replay.kernels);
+        let picked = self.run_ahead_then_read(plan, samplers, 0)?;
         Ok(samplers
             .iter()
             .zip(picked)
@@ -1943,15 +1946,11 @@ impl CudaBackend {
         }
         let rows = plan.rows.len();
         self.note_sampled(plan);
-        if let Some(ahead) = self.ahead.take() {
-            if ahead.is(plan, &params, self.info.geometry.page_tokens) {
-                return self.finish_ahead(plan, samplers, ahead);
-            }
-            // The device runs a step no one asked for: it finishes unread, and this one
-            // starts after it.
-            self.ahead_dropped += 1;
-            self.device.synchronize()?;
+        let page_tokens = self.info.geometry.page_tokens;
+        if let Some(ahead) = self.ahead.take_if(|a| a.is(plan, &params, page_tokens)) {
+            return self.finish_ahead(plan, samplers, ahead);
         }
+        self.settle()?;
         let launches = self.device.launches();
         self.last_replay = None;
         // Rows all picked on the device, none through a grammar's mask: a decode graph samples
@@ -1963,7 +1962,7 @@ impl CudaBackend {
         let picks = in_graph.then_some(0);
         let (_, projected) = self.execute(plan, LogitSelection::LastOfEachRow, &params, picks)?;
         if projected && in_graph {
-            return self.sampled_in_graph(plan, samplers, launches);
+            return self.sampled_in_graph(plan, samplers);
         }
         self.ahead_policy.eligible = false;
         if !projected {
@@ -2053,10 +2052,9 @@ struct Ahead {
     params: Vec<u32>,
     /// The picks of the step before, once read: the tokens this step ran on.
     follows: Vec<u32>,
-    /// Its picks buffer and event.
+    /// Its picks slot and event.
     slot: usize,
-    /// Kernels it launched, and its graph's replay.
-    kernels: usize,
+    /// Its graph's replay, which holds every kernel of the step.
     replay: graphs::Replay,
 }
 

@@ -196,10 +196,7 @@ impl StepMeta {
         Ok(())
     }
 
-    /// Packs the step, copies it to the device and spreads it into the typed buffers. The
-    /// staging blob packed into is free: each is reused every other load, and the backend
-    /// waits between two loads for the step that used it (a step waits for its results, and
-    /// a step launched ahead for the one it follows).
+    /// Packs the step, copies it to the device and spreads it into the typed buffers.
     pub fn load(&mut self, kernels: &Kernels, request: &PackRequest) -> Result<StepLayout> {
         let layout = self.stage(request)?;
         self.unpack(kernels)?;
@@ -213,7 +210,9 @@ impl StepMeta {
     }
 
     /// Packs the step and queues its copy to the device: [`StepMeta::load`] without the
-    /// unpacking.
+    /// unpacking. The staging blob packed into is free: each is reused every other step, and
+    /// the backend waits between two for the step that used it (a step waits for its results,
+    /// and a step launched ahead for the one it follows).
     pub fn stage(&mut self, request: &PackRequest) -> Result<StepLayout> {
         self.check(request.plan, request.pad_rows_to)?;
         let (page_tokens, spare) = (self.page_tokens, self.spare_page);
