@@ -110,13 +110,11 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float* acc, floa
     m = mx;
 }
 
-// This lane's 8 dimensions of one head of the new token: bias added, and rotated unless `v`.
-// Lanes `half_lanes` apart hold dimensions i and i + D/2; every lane of the warp must call this
-// (the rotation's shuffles), `v` or not.
-__device__ __forceinline__ void new_head(const bf16* row, const bf16* bias, u32 at, const float* cs,
-                                         const float* sn, u32 half_lanes, bool low, bool v,
-                                         float* out) {
-    load8_biased(row, bias, at, out);
+// This lane's 8 dimensions of one head of the new token (`out`, bias added), rotated unless
+// `v`. Lanes `half_lanes` apart hold dimensions i and i + D/2; every lane of the warp must call
+// this (the rotation's shuffles), `v` or not.
+__device__ __forceinline__ void rotate_new_head(const float* cs, const float* sn, u32 half_lanes,
+                                                bool low, bool v, float* out) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         float other = __shfl_xor_sync(0xffffffffu, out[i], half_lanes);
@@ -147,6 +145,13 @@ struct DecodeArgs {
     // and v rope_kv_append has rotated (q in place, bias added) and stored (`q_ready`).
     const u32* row_items;
     u32 q_ready;
+    // A folded layer's step (gemv_fold.cu): the raw f32 q/k/v, scaled here by the RMSNorm of
+    // the stream whose `hidden / FOLD_ROWS` partial sums of squares are `norm_parts`, and
+    // rounded to bf16 as the projection would write them; null: `qkv` holds them.
+    const float* qkv_raw;
+    const float* norm_parts;
+    u32 hidden;
+    float eps;
 };
 
 // The last block of a (row, head group) merges the `used` splits' partial outputs (those of the
@@ -218,11 +223,25 @@ __device__ __forceinline__ uint4 new_token_heads(const DecodeArgs& a, u32 token,
     const bf16* tok = a.qkv + (u64)token * (a.heads + 2 * a.kv_heads) * D;
     bool is_v = unit == g + 1;
     u32 col = unit < g ? (head0 + unit) * D : (unit == g ? a.heads + kvh : a.heads + a.kv_heads + kvh) * D;
-    if (unit > g + 1) col = 0;  // idle lanes still join new_head's shuffles
+    if (unit > g + 1) col = 0;  // idle lanes still join the shuffles below
     float x[8];
     bool ready = a.q_ready && unit < g;  // q as rope_kv_append left it: no bias, no turn
-    new_head(tok, ready ? nullptr : a.bias, col + part * 8, cs, sn, LPK / 2, part < LPK / 2,
-             is_v || ready, x);
+    u32 at = col + part * 8;
+    if (a.qkv_raw) {
+        // The values' loads go out before the norm's partial sums are summed, so that their
+        // latencies overlap.
+        const float4* raw = (const float4*)(a.qkv_raw + (u64)token * (a.heads + 2 * a.kv_heads) * D + at);
+        float4 lo = raw[0], hi = raw[1];
+        float b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (a.bias) unpack8(*(const uint4*)(a.bias + at), b);
+        float scale = folded_norm_scale(a.norm_parts, a.hidden, a.eps);
+        float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[i] = round_bf16(v[i] * scale) + b[i];
+    } else {
+        load8_biased(tok, ready ? nullptr : a.bias, at, x);
+    }
+    rotate_new_head(cs, sn, LPK / 2, part < LPK / 2, is_v || ready, x);
     uint4 bits = pack8(x);
     if (unit < g) *(uint4*)(s_q + unit * STRIDE + part * 8) = bits;
     for (u32 i = threadIdx.x; i < (16 - g) * (D / 8); i += blockDim.x)
@@ -591,8 +610,10 @@ __device__ void decode_attention_resident(const DecodeArgs& a, u32 max_tiles) {
             const bf16* qkv, const bf16* bias, const float* inv_freq, bf16* k_cache, bf16* v_cache,   \
             const u32* page_table, u32 table_stride, const u32* row_start_token,                  \
             const u32* row_start_pos, u32 heads, u32 kv_heads, u32 page_tokens, u32 window,       \
-            float scale_log2, bf16* out, u32 max_tiles) {                                         \
+            float scale_log2, bf16* out, u32 max_tiles, const float* qkv_raw,                     \
+            const float* norm_parts, u32 hidden, float eps) {                                     \
         DecodeArgs a = {};                                                                        \
+        a.qkv_raw = qkv_raw, a.norm_parts = norm_parts, a.hidden = hidden, a.eps = eps;          \
         a.qkv = qkv, a.bias = bias, a.inv_freq = inv_freq, a.k_cache = k_cache;                  \
         a.v_cache = v_cache, a.page_table = page_table, a.table_stride = table_stride;           \
         a.row_start_token = row_start_token, a.row_start_pos = row_start_pos, a.heads = heads;   \
@@ -612,12 +633,13 @@ DECODE_RESIDENT_ENTRY(128)
         const u32* page_table, u32 table_stride, const u32* row_start_token,                      \
         const u32* row_start_pos, u32 heads, u32 kv_heads, u32 page_tokens, u32 window,           \
         float scale_log2, bf16* out, float* o_part, float* lse_part, u32* done, u32 splits,       \
-        u32 store_kv, const u32* row_items, u32 q_ready) {                                         \
+        u32 store_kv, const u32* row_items, u32 q_ready, const float* qkv_raw,                   \
+        const float* norm_parts, u32 hidden, float eps) {                                          \
         DecodeArgs a = {qkv,     bias,           inv_freq,      k_cache, v_cache,                 \
                         page_table, table_stride, row_start_token, row_start_pos, heads,           \
                         kv_heads, page_tokens,   window,        scale_log2, out,                   \
                         o_part,  lse_part,       done,          splits,        store_kv,           \
-                        row_items, q_ready};                                                       \
+                        row_items, q_ready,      qkv_raw,       norm_parts,    hidden, eps};       \
         decode_attention<D>(a);                                                                   \
     }
 DECODE_ENTRY(16)

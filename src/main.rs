@@ -155,6 +155,11 @@ struct BenchArgs {
     #[arg(long)]
     no_run_ahead: bool,
 
+    /// Run one-sequence decode steps of a small model in five launches a layer instead of the
+    /// three folded layers take.
+    #[arg(long)]
+    no_folded_decode: bool,
+
     /// Steps of at most this many tokens (0 to 8) project small weights through snapserve's
     /// gemv kernel instead of cuBLAS.
     #[arg(long, default_value_t = engine::cuda::DEFAULT_GEMV_MAX_TOKENS)]
@@ -982,6 +987,7 @@ fn cuda_bench_backend(
         tune_gemms: !args.no_gemm_tuning,
         resident_decode: !args.no_resident_attention,
         run_ahead: !args.no_run_ahead,
+        folded_decode: !args.no_folded_decode,
         fp8_weights: args.quantization == QuantizationArg::Fp8,
         pool: PoolSize::MemoryFraction(1.0),
         device_snapshot_bytes: 0,

@@ -773,3 +773,49 @@ fn steps_launched_ahead_pick_what_waiting_steps_pick() {
     assert!(kept >= 10, "{kept} steps kept");
     assert!((1..=4).contains(&dropped), "{dropped} steps left unread");
 }
+
+/// One-token steps of one row in folded layers (the default for these shapes: fold.rs) against
+/// the CPU backend, every decode step's logits as close as the unfolded GPU's and the same
+/// argmax at healthy margins; with graphs and without, with the resident attention launch and
+/// the split one (the folded q/k/v reach both).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn folded_decode_steps_follow_the_cpu_backend() {
+    for (name, spec) in specs() {
+        let (_dir, files) = model(&spec);
+        let mut cpu = cpu(&files);
+        let prompt = prompt(7, 50);
+        let decode: Vec<u32> = (0..40).map(|i| (i * 53 + 7) % 250 + 3).collect();
+        let want = common::run_logits(&mut cpu, &prompt, &decode, LogitsWanted::Last);
+        for (graphs, resident) in [(true, true), (true, false), (false, true)] {
+            let options = |folded_decode| CudaOptions {
+                cuda_graphs: graphs,
+                resident_decode: resident,
+                folded_decode,
+                ..CudaOptions::for_tokens(PAGES * PAGE, 1024, 16)
+            };
+            let mut folded = CudaBackend::load(&files, &options(true)).unwrap();
+            let mut plain = CudaBackend::load(&files, &options(false)).unwrap();
+            let got = common::run_logits(&mut folded, &prompt, &decode, LogitsWanted::Last);
+            let unfolded = common::run_logits(&mut plain, &prompt, &decode, LogitsWanted::Last);
+            assert!(folded.folds() && !plain.folds(), "{name}: folding as asked");
+            let (mut worst, mut worst_plain) = (0f64, 0f64);
+            for step in 1..want.len() {
+                let what = format!("{name} (graphs {graphs}, resident {resident}) step {step}");
+                let output = |logits: &Vec<f32>| StepOutput {
+                    logits: logits.clone(),
+                    row_ranges: std::iter::once(0..1).collect(),
+                    vocab_size: logits.len(),
+                };
+                let (w, g) = (output(&want[step]), output(&got[step]));
+                assert_logits_agree(&what, &w, &g);
+                worst = worst.max(difference(&want[step], &got[step]).1);
+                worst_plain = worst_plain.max(difference(&want[step], &unfolded[step]).1);
+            }
+            println!(
+                "{name} (graphs {graphs}, resident {resident}): worst relative RMS against the \
+                 CPU folded {worst:.2e}, unfolded {worst_plain:.2e}"
+            );
+        }
+    }
+}

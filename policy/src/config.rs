@@ -177,6 +177,13 @@ pub struct EngineConfig {
     /// joined) is computed for nothing and left unread. Needs `cuda_graphs`; off while drafts
     /// are proposed (`[speculative]`), since the step after a decode step may verify drafts.
     pub run_ahead: bool,
+    /// On the GPU, run a small model's (hidden size up to 1,024) decode steps of one sequence
+    /// in three launches a layer instead of five: the norms' weights and consecutive
+    /// projections multiplied together at load, so the gate/up projection need not wait for the
+    /// output projection nor the next q/k/v for the down projection. Twice the layers' weight
+    /// bytes on the device; logits within bf16 rounding of the unfolded step's. Off where
+    /// `batch_invariant` is on, with FP8 weights, and over several GPUs.
+    pub folded_decode: bool,
     /// GPUs one model is split over (tensor parallelism): `device`, `device + 1`, ... unless
     /// `devices` names them. 1 runs on `device` alone.
     pub tensor_parallel: usize,
@@ -206,6 +213,7 @@ impl Default for EngineConfig {
             gpu_memory_fraction: 0.9,
             cuda_graphs: true,
             run_ahead: true,
+            folded_decode: true,
             tensor_parallel: 1,
             devices: Vec::new(),
             batch_invariant: None,

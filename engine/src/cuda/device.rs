@@ -19,7 +19,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, result}
 use crate::error::{EngineError, Result};
 
 /// The most arguments one kernel takes.
-pub(super) const MAX_ARGS: usize = 24;
+pub(super) const MAX_ARGS: usize = 32;
 
 /// The device and stream of one backend.
 pub struct Device {

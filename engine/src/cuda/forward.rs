@@ -28,11 +28,12 @@ use half::bf16;
 
 use super::collective::Collective;
 use super::device::{DPtr, Device, DeviceBuffer};
+use super::fold::FoldedWeights;
 use super::gemm::{Gemm, Linear};
 use super::kernels::{
-    AddRmsNorm, Attention, AttnShape, CLUSTER_ROW_POSITIONS, DecodeAttention, Embed, Fp8Rows,
-    GEMV_MAX_TOKENS, GEMV_NORM_MAX_IN, GEMV_TC_CHUNK, GemvInput, GemvOutput, Kernels, MetaBuffers,
-    RopeKv, SILU_E4M3_MAX_FFN, Splits,
+    AddRmsNorm, Attention, AttnShape, CLUSTER_ROW_POSITIONS, DecodeAttention, Embed, FOLD_ROWS,
+    FoldLaunch, FoldPhase, FoldedQkv, Fp8Rows, GEMV_MAX_TOKENS, GEMV_NORM_MAX_IN, GEMV_TC_CHUNK,
+    GemvInput, GemvOutput, Kernels, MetaBuffers, RopeKv, SILU_E4M3_MAX_FFN, Splits,
 };
 use super::pool::KvPool;
 use super::weights::{GpuWeights, Matrix};
@@ -140,7 +141,7 @@ pub struct WorkspaceSizes {
 
 impl WorkspaceSizes {
     /// Bytes of each buffer, in [`Workspace`]'s order.
-    fn parts(&self, c: &ModelConfig) -> [usize; 11] {
+    fn parts(&self, c: &ModelConfig) -> [usize; 15] {
         let (t, h) = (self.tokens, c.hidden_size);
         let qkv = c.q_dim() + 2 * c.kv_dim();
         let split_rows = self.split_pairs * c.num_heads;
@@ -158,6 +159,12 @@ impl WorkspaceSizes {
             self.rows * c.num_heads * 4,
             fp8 * t * widest_in,
             fp8 * t * 4,
+            // A folded one-token step's (fold.rs): two more streams, the raw gate/up and
+            // q/k/v, and two sets of a stream's partial sums of squares.
+            2 * h * 4,
+            (2 * c.intermediate_size + qkv) * 4,
+            qkv * 4,
+            2 * h.div_ceil(FOLD_ROWS) * 4,
         ]
     }
 
@@ -187,7 +194,25 @@ pub struct Workspace {
     /// `[tokens, in]` a projection's input in e4m3, and `[tokens]` its scales (FP8 weights).
     pub x8: DPtr<u8>,
     pub x8_scales: DPtr<f32>,
+    /// A folded one-token step's buffers (see [`FoldBuffers`]).
+    pub fold: FoldBuffers,
     pub sizes: WorkspaceSizes,
+}
+
+/// What a folded one-token step (fold.rs) keeps between its launches besides `x` and the
+/// attention output.
+#[derive(Debug, Clone, Copy)]
+pub struct FoldBuffers {
+    /// The stream rotates over `x` and these (`[hidden]` f32 each): a q/k/v and down launch
+    /// reads two of its versions while it writes the third.
+    pub streams: [DPtr<f32>; 2],
+    /// `[2·ffn + q/k/v width]` f32: the raw gate/up, then the next layer's q/k/v's first part.
+    pub gate_up: DPtr<f32>,
+    /// `[q/k/v width]` f32 raw q/k/v.
+    pub qkv: DPtr<f32>,
+    /// Partial sums of squares of the stream after the output projection, then after the down
+    /// projection (`hidden / FOLD_ROWS` each).
+    pub parts: [DPtr<f32>; 2],
 }
 
 impl Workspace {
@@ -212,6 +237,17 @@ impl Workspace {
             done: take().cast(),
             x8: take(),
             x8_scales: take().cast(),
+            fold: {
+                let streams = take().cast::<f32>();
+                let (gate_up, qkv, parts) = (take().cast(), take().cast(), take().cast::<f32>());
+                let part = config.hidden_size.div_ceil(FOLD_ROWS);
+                FoldBuffers {
+                    streams: [streams, streams.offset(config.hidden_size)],
+                    gate_up,
+                    qkv,
+                    parts: [parts, parts.offset(part)],
+                }
+            },
             _memory: memory,
             sizes,
         };
@@ -265,6 +301,8 @@ pub struct Forward<'a> {
     pub exact: bool,
     /// This rank's exchanges, where the model is split over several.
     pub tp: Option<TpForward<'a>>,
+    /// One-token steps of one row run folded layers (fold.rs) on these.
+    pub folded: Option<&'a FoldedWeights>,
 }
 
 /// What a tensor-parallel rank's pass adds: an all-reduce of each sublayer's output into the
@@ -281,6 +319,19 @@ impl Forward<'_> {
     /// Runs the layers over `tokens` tokens and leaves the wanted rows, normalized, packed at the
     /// start of `normed`.
     pub fn run(&self, tokens: usize, mode: AttentionMode) -> Result<()> {
+        if let (
+            Some(folded),
+            AttentionMode::Decode {
+                rows: 1,
+                append_first: false,
+                ..
+            },
+        ) = (self.folded, mode)
+            && tokens == 1
+            && self.tp.is_none()
+        {
+            return self.run_folded(folded, mode);
+        }
         let h = self.config.hidden_size;
         // A split model's ranks each hold a slice of the vocabulary: each gathers the rows it
         // holds (zeros for the others), and the all-reduce puts every token's row together.
@@ -311,6 +362,100 @@ impl Forward<'_> {
             self.meta.logit_rows,
             None,
         )
+    }
+
+    /// [`Forward::run`] for one token in folded layers (kernels/gemv_fold.cu): layer 0's q/k/v
+    /// as unfolded, then attention and two launches a layer.
+    fn run_folded(&self, folded: &FoldedWeights, mode: AttentionMode) -> Result<()> {
+        let c = self.config;
+        let (h, q, f) = (c.hidden_size, c.q_dim(), c.intermediate_size);
+        let qkv_width = self.shape().qkv_width();
+        let fold = &self.ws.fold;
+        self.kernels.embed(&Embed {
+            table: self.weights.embed(),
+            token_ids: self.meta.token_ids,
+            residual: self.ws.x,
+            tokens: 1,
+            hidden: h,
+            split: None,
+        })?;
+        let first = self.weights.layer(0);
+        let qkv = Linear {
+            tokens: 1,
+            in_features: h,
+            out_features: qkv_width,
+        };
+        let input = self.normed_input(Stream::Current, first.attn_norm, first.wqkv, qkv)?;
+        self.project(input, first.wqkv, self.ws.wide, qkv)?;
+        self.attend(0, 1, mode, None)?;
+        let streams = [self.ws.x, fold.streams[0], fold.streams[1]];
+        let mut at = 0;
+        for layer in 0..c.num_layers {
+            let w = self.weights.layer(layer);
+            let (stream, after_out, after_down) = (
+                streams[at % 3],
+                streams[(at + 1) % 3],
+                streams[(at + 2) % 3],
+            );
+            // The last layer's launches are its gate/up, output and down projections alone.
+            let next = layer + 1 < c.num_layers;
+            let next_rows = if next { qkv_width } else { 0 };
+            let launch = FoldLaunch {
+                phase: FoldPhase::GateUpOut,
+                h: stream,
+                a: self.ws.narrow,
+                gu: DPtr::NULL,
+                gu_parts: DPtr::NULL,
+                partial: DPtr::NULL,
+                before: stream,
+                wa: folded.layer(layer).gate_up_qkv,
+                rows_a: 2 * f + next_rows,
+                raw: fold.gate_up,
+                wb: w.wo.bf16(),
+                after: after_out,
+                parts: fold.parts[0],
+                hidden: h,
+                q_dim: q,
+                ffn: f,
+                eps: c.rms_norm_eps,
+            };
+            self.kernels.gemv_fold(&launch)?;
+            self.kernels.gemv_fold(&FoldLaunch {
+                phase: FoldPhase::QkvDown,
+                gu: fold.gate_up,
+                gu_parts: fold.parts[0],
+                partial: fold.gate_up.offset(2 * f),
+                before: after_out,
+                wa: folded.layer(layer).qkv_down,
+                rows_a: next_rows,
+                raw: fold.qkv,
+                wb: w.w_down.bf16(),
+                after: after_down,
+                parts: fold.parts[1],
+                ..launch
+            })?;
+            at += 2;
+            if next {
+                let raw = FoldedQkv {
+                    raw: fold.qkv,
+                    parts: fold.parts[1],
+                    hidden: h,
+                    eps: c.rms_norm_eps,
+                };
+                self.attend(layer + 1, 1, mode, Some(raw))?;
+            }
+        }
+        self.kernels.add_rms_norm(&AddRmsNorm {
+            residual: streams[at % 3],
+            delta: DPtr::NULL,
+            weight: self.weights.norm(),
+            out: self.ws.normed,
+            out_rows: self.meta.logit_rows,
+            e4m3: None,
+            tokens: 1,
+            hidden: h,
+            eps: c.rms_norm_eps,
+        })
     }
 
     /// Projects packed rows `first..first + rows` of `normed` into `logits` rows `0..rows`.
@@ -509,6 +654,26 @@ impl Forward<'_> {
         };
         let input = self.normed_input(stream, w.attn_norm, w.wqkv, qkv)?;
         self.project(input, w.wqkv, self.ws.wide, qkv)?;
+        self.attend(layer, tokens, mode, None)?;
+        let out = Linear {
+            tokens,
+            in_features: c.q_dim(),
+            out_features: c.hidden_size,
+        };
+        self.project_out(Input::Bf16(GemvInput::Rows(self.ws.narrow)), w.wo, out)
+    }
+
+    /// Attention of `layer` over the step's q/k/v (in `wide`, or a folded layer's `folded`, for
+    /// decode rows only), its output into `narrow`.
+    fn attend(
+        &self,
+        layer: usize,
+        tokens: usize,
+        mode: AttentionMode,
+        folded: Option<FoldedQkv>,
+    ) -> Result<()> {
+        let w = self.weights.layer(layer);
+        let shape = self.shape();
         let (k_cache, v_cache) = (self.pool.cache(layer, false), self.pool.cache(layer, true));
         // Every token's k and v into the cache (and, for prefill attention, its q rotated).
         let append = |write_q: bool| {
@@ -536,6 +701,7 @@ impl Forward<'_> {
             out: self.ws.narrow,
             store_kv,
             row_items,
+            folded,
         };
         let split = |splits| Splits {
             splits,
@@ -568,6 +734,7 @@ impl Forward<'_> {
                 decode_rows,
                 decode_splits,
             } => {
+                assert!(folded.is_none(), "folded layers run decode rows alone");
                 append(true)?;
                 let attention = Attention {
                     qkv: self.ws.wide,
@@ -589,12 +756,7 @@ impl Forward<'_> {
                 }
             }
         }
-        let out = Linear {
-            tokens,
-            in_features: c.q_dim(),
-            out_features: c.hidden_size,
-        };
-        self.project_out(Input::Bf16(GemvInput::Rows(self.ws.narrow)), w.wo, out)
+        Ok(())
     }
 
     fn mlp_block(&self, layer: usize, tokens: usize, stream: Stream) -> Result<Stream> {

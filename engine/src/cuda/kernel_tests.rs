@@ -807,6 +807,194 @@ fn gemv_fp8_matches_the_reference_with_every_fusion() {
 }
 
 /// `Σ_k x[t][k] · w[o][k]` in f64, for every token and output.
+/// A folded layer's two launches (gemv_fold.cu) against a reference in f64 over the same bf16
+/// weights and inputs: the A rows' raw products of `[h ; a]` (for the q/k/v and down launch,
+/// of s, the activation of the raw gate/up scaled by the norm its partial sums give, added to
+/// a given part), the B rows' stream `before + bf16(w·input)`, and each B block's sum of its
+/// outputs' squares.
+/// Shapes: SmolLM2's, and a small one whose A rows do not fill their last block.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gemv_fold_matches_the_reference() {
+    let g = gpu(64);
+    let eps = 1e-5f32;
+    for (hidden, q_dim, ffn, qkv_rows) in [(576, 576, 1536, 960), (64, 128, 40, 13)] {
+        for phase in [FoldPhase::GateUpOut, FoldPhase::QkvDown] {
+            let mut r = rng(90 + hidden as u64 + phase as u64);
+            let qkvd = phase == FoldPhase::QkvDown;
+            let (rows_a, b_in) = if qkvd {
+                (qkv_rows, ffn)
+            } else {
+                (2 * ffn, q_dim)
+            };
+            let a_in = if qkvd { ffn } else { hidden + q_dim };
+            let h = uniform(&mut r, hidden, 2.0);
+            let before = uniform(&mut r, hidden, 2.0);
+            let a = round_bf16(&uniform(&mut r, q_dim, 1.0));
+            let gu = uniform(&mut r, 2 * ffn, 3.0);
+            let partial = uniform(&mut r, rows_a, 2.0);
+            let gu_parts: Vec<f32> = (0..hidden / FOLD_ROWS)
+                .map(|_| r.random_range(0.5f32..4.0))
+                .collect();
+            let wa = round_bf16(&uniform(&mut r, rows_a * a_in, 0.1));
+            let wb = round_bf16(&uniform(&mut r, hidden * b_in, 0.1));
+            // The activation every block computes, rounded as it rounds.
+            let scale = {
+                let sum: f32 = gu_parts.iter().sum();
+                1.0 / (sum / hidden as f32 + eps).sqrt()
+            };
+            let bf = |v: f32| bf16::from_f32(v).to_f32();
+            let s: Vec<f32> = (0..ffn)
+                .map(|j| {
+                    let (gate, up) = (bf(gu[j] * scale), bf(gu[ffn + j] * scale));
+                    bf(gate / (1.0 + (-gate).exp()) * up)
+                })
+                .collect();
+            let input_a: Vec<f32> = if qkvd {
+                s.clone()
+            } else {
+                [h.clone(), a.clone()].concat()
+            };
+            let input_b = if qkvd { s.clone() } else { a.clone() };
+            let stream_before = if qkvd { &before } else { &h };
+            let want_raw = reference_product(&input_a, &wa, 1, a_in, rows_a);
+            let want_after: Vec<f32> = reference_product(&input_b, &wb, 1, b_in, hidden)
+                .iter()
+                .zip(stream_before)
+                .map(|(&v, &x)| x + bf(v as f32))
+                .collect();
+            let want_parts: Vec<f32> = want_after
+                .chunks(FOLD_ROWS)
+                .map(|c| c.iter().map(|&v| v as f64 * v as f64).sum::<f64>() as f32)
+                .collect();
+            let (h_d, before_d, a_d) = (g.upload(&h), g.upload(&before), g.upload_bf16(&a));
+            let (gu_d, gu_parts_d) = (g.upload(&gu), g.upload(&gu_parts));
+            let partial_d = g.upload(&partial);
+            let (wa_d, wb_d) = (g.upload_bf16(&wa), g.upload_bf16(&wb));
+            let raw = g.poisoned(rows_a * 4);
+            let after = g.poisoned(hidden * 4);
+            let parts = g.poisoned(hidden / FOLD_ROWS * 4);
+            g.kernels
+                .gemv_fold(&FoldLaunch {
+                    phase,
+                    h: h_d.ptr(),
+                    a: a_d.ptr(),
+                    gu: gu_d.ptr(),
+                    gu_parts: gu_parts_d.ptr(),
+                    partial: partial_d.ptr(),
+                    before: if qkvd { before_d.ptr() } else { h_d.ptr() },
+                    wa: wa_d.ptr(),
+                    rows_a,
+                    raw: raw.ptr(),
+                    wb: wb_d.ptr(),
+                    after: after.ptr(),
+                    parts: parts.ptr(),
+                    hidden,
+                    q_dim,
+                    ffn,
+                    eps,
+                })
+                .unwrap();
+            let what = format!("gemv_fold {phase:?} hidden {hidden} q {q_dim} ffn {ffn}");
+            let want_raw: Vec<f32> = want_raw
+                .iter()
+                .zip(&partial)
+                .map(|(&v, &p)| {
+                    if qkvd {
+                        (v + p as f64) as f32
+                    } else {
+                        v as f32
+                    }
+                })
+                .collect();
+            assert_close(
+                &format!("{what}: raw"),
+                &g.download(raw.ptr(), rows_a),
+                &want_raw,
+                1e-4,
+            );
+            assert_close(
+                &format!("{what}: stream"),
+                &g.download(after.ptr(), hidden),
+                &want_after,
+                4e-3,
+            );
+            assert_close(
+                &format!("{what}: partial sums"),
+                &g.download(parts.ptr(), hidden / FOLD_ROWS),
+                &want_parts,
+                1e-2,
+            );
+        }
+    }
+}
+
+/// `fold_weights` against `a·diag(g)·b` (and `a·diag(g)` alone) in f64, written into a
+/// column range of a wider matrix whose other columns it leaves alone.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn fold_weights_match_the_reference() {
+    let g = gpu(64);
+    let (rows, k, n) = (37, 96, 300);
+    let stride = k + n + 5;
+    let mut r = rng(95);
+    let a = round_bf16(&uniform(&mut r, rows * k, 0.2));
+    let norm = round_bf16(&uniform(&mut r, k, 1.5));
+    let b = round_bf16(&uniform(&mut r, k * n, 0.2));
+    let (a_d, norm_d, b_d) = (g.upload_bf16(&a), g.upload_bf16(&norm), g.upload_bf16(&b));
+    let out = g.upload(&vec![bf16::from_f32(7.0); rows * stride]);
+    g.kernels
+        .fold_weights(
+            a_d.ptr(),
+            norm_d.ptr(),
+            DPtr::NULL,
+            out.ptr(),
+            (rows, k, k),
+            stride,
+            0,
+        )
+        .unwrap();
+    g.kernels
+        .fold_weights(
+            a_d.ptr(),
+            norm_d.ptr(),
+            b_d.ptr(),
+            out.ptr(),
+            (rows, k, n),
+            stride,
+            k,
+        )
+        .unwrap();
+    let got = g.download_bf16(out.ptr(), rows * stride);
+    let (mut scaled_got, mut scaled_want, mut product_got, mut product_want) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for o in 0..rows {
+        let row = &got[o * stride..(o + 1) * stride];
+        for j in 0..k {
+            scaled_got.push(row[j]);
+            scaled_want.push((a[o * k + j] as f64 * norm[j] as f64) as f32);
+        }
+        for j in 0..n {
+            product_got.push(row[k + j]);
+            let sum: f64 = (0..k)
+                .map(|i| a[o * k + i] as f64 * norm[i] as f64 * b[i * n + j] as f64)
+                .sum();
+            product_want.push(sum as f32);
+        }
+        assert!(
+            row[k + n..].iter().all(|&v| v == 7.0),
+            "row {o}: columns past the product were written"
+        );
+    }
+    assert_close("fold_weights a·diag(g)", &scaled_got, &scaled_want, 4e-3);
+    assert_close(
+        "fold_weights a·diag(g)·b",
+        &product_got,
+        &product_want,
+        4e-3,
+    );
+}
+
 fn reference_product(x: &[f32], w: &[f32], tokens: usize, inf: usize, outf: usize) -> Vec<f64> {
     (0..tokens * outf)
         .map(|i| {
@@ -1268,6 +1456,7 @@ fn check_decode(shape: AttnShape, contexts: &[usize], splits: usize, with_bias: 
         out: out.ptr(),
         store_kv: true,
         row_items: DPtr::NULL,
+        folded: None,
     };
     let what = format!("decode {shape:?} contexts {contexts:?} splits {splits} bias {with_bias}");
     for run in 0..2 {
@@ -1399,6 +1588,7 @@ fn check_verification_rows(shape: AttnShape, verifications: &[(usize, usize)], s
         out,
         store_kv: false,
         row_items: DPtr::NULL,
+        folded: None,
     };
     let what = format!("verification rows {shape:?} {verifications:?} splits {splits}");
     let together = attention(raw_d.ptr(), &meta, out.ptr());

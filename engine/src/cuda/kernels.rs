@@ -19,7 +19,7 @@ use super::gemm::Linear;
 use crate::error::{EngineError, Result};
 
 /// The sources, `common.cuh` first.
-const SOURCES: [(&str, &str); 15] = [
+const SOURCES: [(&str, &str); 16] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "embedding.cu",
@@ -29,6 +29,11 @@ const SOURCES: [(&str, &str); 15] = [
     ("silu_mul.cu", include_str!("../../../kernels/silu_mul.cu")),
     ("gemv.cu", include_str!("../../../kernels/gemv.cu")),
     ("gemv_tc.cu", include_str!("../../../kernels/gemv_tc.cu")),
+    // Folded layers use the gemv's dot product and rounding.
+    (
+        "gemv_fold.cu",
+        include_str!("../../../kernels/gemv_fold.cu"),
+    ),
     ("rope_kv.cu", include_str!("../../../kernels/rope_kv.cu")),
     // Decode attention uses prefill attention's tile loader and tensor-core helpers.
     (
@@ -285,6 +290,10 @@ pub struct Kernels {
     gemv_w8: Vec<[CudaFunction; 4]>,
     /// The tensor-core gemv (gemv_tc.cu), by [`GEMV_KERNELS`]: tiles of 8 rows, and of 16.
     gemv_tc: Vec<[CudaFunction; 2]>,
+    /// A folded layer's launches (gemv_fold.cu), by [`FoldPhase`], then for 1, 2 and 4 chunks
+    /// a lane prefetched.
+    gemv_fold: [[CudaFunction; 3]; 2],
+    fold_weights: CudaFunction,
     rope_kv_append: CudaFunction,
     decode_attention: CudaFunction,
     decode_attention_resident: CudaFunction,
@@ -367,6 +376,14 @@ impl Kernels {
                     Ok([narrow, wide])
                 })
                 .collect::<Result<_>>()?,
+            gemv_fold: {
+                let entries = |name: &str| -> Result<[CudaFunction; 3]> {
+                    let entry = |unroll: usize| f(&format!("{name}_u{unroll}"));
+                    Ok([entry(1)?, entry(2)?, entry(4)?])
+                };
+                [entries("gemv_fold_guo")?, entries("gemv_fold_qkvd")?]
+            },
+            fold_weights: f("fold_weights")?,
             rope_kv_append: f("rope_kv_append")?,
             decode_attention,
             decode_attention_resident,
@@ -613,6 +630,70 @@ impl Kernels {
             .launch_with_shared(function, (blocks, 1, 1), threads, shared_bytes, &args)
     }
 
+    /// One phase of a folded layer (gemv_fold.cu): `rows_a` rows of `wa` into `raw`, and
+    /// the `hidden` rows of `wb` added to the stream `before` into `after`, with their partial
+    /// sums of squares into `parts`.
+    pub fn gemv_fold(&self, f: &FoldLaunch) -> Result<()> {
+        let post_chunks = match f.phase {
+            FoldPhase::GateUpOut => f.q_dim,
+            FoldPhase::QkvDown => f.ffn,
+        } / 8;
+        let unroll = match post_chunks.div_ceil(FOLD_THREADS as usize) {
+            0 | 1 => 0,
+            2 => 1,
+            _ => 2,
+        };
+        let args = Args::new()
+            .ptr(f.h)
+            .ptr(f.a)
+            .ptr(f.gu)
+            .ptr(f.gu_parts)
+            .ptr(f.partial)
+            .ptr(f.before)
+            .ptr(f.wa)
+            .ptr(f.raw)
+            .ptr(f.wb)
+            .ptr(f.after)
+            .ptr(f.parts)
+            .u32(f.rows_a as u32)
+            .u32(f.hidden as u32)
+            .u32(f.q_dim as u32)
+            .u32(f.ffn as u32)
+            .f32(f.eps);
+        let blocks = f.rows_a.div_ceil(FOLD_ROWS) + f.hidden / FOLD_ROWS;
+        let function = &self.gemv_fold[f.phase as usize][unroll];
+        self.device
+            .launch(function, (blocks as u32, 1, 1), FOLD_THREADS, &args)
+    }
+
+    /// Columns `col0..col0 + n` of the `rows` rows of a folded matrix (`out_stride` elements a
+    /// row): `a·diag(g)·b` with `b` `[k, n]`, or `a·diag(g)` itself where `b` is null (`n` =
+    /// `k`); `a` is `[rows, k]` (gemv_fold.cu's `fold_weights`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn fold_weights(
+        &self,
+        a: DPtr<bf16>,
+        g: DPtr<bf16>,
+        b: DPtr<bf16>,
+        out: DPtr<bf16>,
+        (rows, k, n): (usize, usize, usize),
+        out_stride: usize,
+        col0: usize,
+    ) -> Result<()> {
+        let args = Args::new()
+            .ptr(a)
+            .ptr(g)
+            .ptr(b)
+            .ptr(out)
+            .u32(k as u32)
+            .u32(n as u32)
+            .u32(out_stride as u32)
+            .u32(col0 as u32);
+        let grid = (n.div_ceil(THREADS as usize) as u32, rows as u32, 1);
+        self.device
+            .launch_with_shared(&self.fold_weights, grid, THREADS, (k * 4) as u32, &args)
+    }
+
     /// Bias, rotary embedding of q and k, and the append of k and v to the paged cache.
     pub fn rope_kv_append(&self, a: &RopeKv) -> Result<()> {
         let s = &a.shape;
@@ -657,6 +738,7 @@ impl Kernels {
             .u32(a.store_kv as u32)
             .ptr(a.row_items)
             .u32((a.row_items.addr() != 0) as u32);
+        let args = folded_args(args, a.folded);
         let grid = (
             split.splits as u32,
             s.decode_blocks_per_row() as u32,
@@ -693,7 +775,7 @@ impl Kernels {
     pub fn decode_attention_resident(&self, a: &DecodeAttention, rows: usize) -> Result<()> {
         assert!(a.store_kv && a.row_items.addr() == 0 && self.resident_tiles > 0);
         let s = &a.shape;
-        let args = decode_args(a).u32(self.resident_tiles as u32);
+        let args = folded_args(decode_args(a).u32(self.resident_tiles as u32), a.folded);
         let grid = (1, s.decode_blocks_per_row() as u32, rows as u32);
         let shared = resident_shared_bytes(s.head_dim, self.resident_tiles) as u32;
         self.device.launch_with_shared(
@@ -1195,6 +1277,67 @@ pub struct DecodeAttention {
     /// work items, [`super::step_meta::StepLayout::decode_items`]), whose q `rope_kv_append`
     /// rotated in place; [`DPtr::NULL`] for the step's rows `0..` with q as projected.
     pub row_items: DPtr<u32>,
+    /// A folded layer's raw q/k/v (then `qkv` is not read): see [`FoldedQkv`].
+    pub folded: Option<FoldedQkv>,
+}
+
+/// The q/k/v of a folded layer's step (gemv_fold.cu): f32 `[qkv width]` products of the stream
+/// before its norm, which decode attention scales by the norm of that stream (from `parts`,
+/// its `hidden / FOLD_ROWS` partial sums of squares) and rounds to bf16 before the bias.
+#[derive(Debug, Clone, Copy)]
+pub struct FoldedQkv {
+    pub raw: DPtr<f32>,
+    pub parts: DPtr<f32>,
+    pub hidden: usize,
+    pub eps: f32,
+}
+
+/// The arguments both decode attention kernels end with: a folded layer's q/k/v, or nulls.
+fn folded_args(args: Args, folded: Option<FoldedQkv>) -> Args {
+    let f = folded.unwrap_or(FoldedQkv {
+        raw: DPtr::NULL,
+        parts: DPtr::NULL,
+        hidden: 0,
+        eps: 0.0,
+    });
+    args.ptr(f.raw).ptr(f.parts).u32(f.hidden as u32).f32(f.eps)
+}
+
+/// Rows a folded layer's block holds (gemv_fold.cu's `FOLD_ROWS`), and its threads.
+pub const FOLD_ROWS: usize = 8;
+const FOLD_THREADS: u32 = 128;
+
+/// The two launches of a folded layer besides attention (gemv_fold.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FoldPhase {
+    /// The raw gate/up, and the next layer's raw q/k/v's first part, from the stream and
+    /// attention's output; the output projection.
+    GateUpOut = 0,
+    /// The rest of the next layer's raw q/k/v, from the activation; the down projection.
+    QkvDown = 1,
+}
+
+/// Arguments of [`Kernels::gemv_fold`] (gemv_fold.cu's `FoldArgs`).
+#[derive(Debug, Clone, Copy)]
+pub struct FoldLaunch {
+    pub phase: FoldPhase,
+    pub h: DPtr<f32>,
+    pub a: DPtr<bf16>,
+    pub gu: DPtr<f32>,
+    pub gu_parts: DPtr<f32>,
+    /// QKVD: GUO's part of each A row's sum.
+    pub partial: DPtr<f32>,
+    pub before: DPtr<f32>,
+    pub wa: DPtr<bf16>,
+    pub rows_a: usize,
+    pub raw: DPtr<f32>,
+    pub wb: DPtr<bf16>,
+    pub after: DPtr<f32>,
+    pub parts: DPtr<f32>,
+    pub hidden: usize,
+    pub q_dim: usize,
+    pub ffn: usize,
+    pub eps: f32,
 }
 
 /// The arguments both decode attention kernels start with, in their order (decode_attention.cu).

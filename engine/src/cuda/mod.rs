@@ -25,6 +25,7 @@
 
 pub mod collective;
 pub mod device;
+pub mod fold;
 pub mod forward;
 pub mod fp8;
 pub mod gemm;
@@ -231,6 +232,7 @@ use crate::model::{ModelConfig, ModelFiles, Shard, Weights};
 use crate::sampling::Sampler;
 use collective::{Collective, Endpoint};
 use device::{DPtr, Device, DeviceBuffer, PinnedBuffer};
+use fold::FoldedWeights;
 use forward::{AttentionMode, Forward, TpForward, Workspace, WorkspaceSizes};
 use gemm::Gemm;
 use graphs::DecodeGraphs;
@@ -319,6 +321,11 @@ pub struct CudaOptions {
     /// Hold the layers' projections in FP8 (e4m3, a scale a row) and run them as FP8 products
     /// (`[engine] quantization = "fp8"`; Hopper: cuBLASLt takes its per-row scales on sm_90 only).
     pub fp8_weights: bool,
+    /// Run one-token steps of one row in folded layers (fold.rs: three launches a layer
+    /// instead of five, for twice the weight bytes), where the model is small enough
+    /// ([`fold::FOLD_MAX_HIDDEN`]), its weights bf16 and on one device, and `exact_verify` is
+    /// off (a folded step's sums are not a verification's).
+    pub folded_decode: bool,
 }
 
 impl CudaOptions {
@@ -368,6 +375,7 @@ impl CudaOptions {
             // would be left unread as often as drafts are proposed.
             run_ahead: engine.run_ahead && speculative.method == SpeculativeMethod::None,
             fp8_weights: engine.quantization == policy::Quantization::Fp8,
+            folded_decode: engine.folded_decode,
         }
     }
 
@@ -394,6 +402,7 @@ impl CudaOptions {
             resident_decode: true,
             run_ahead: true,
             fp8_weights: false,
+            folded_decode: true,
         }
     }
 }
@@ -513,6 +522,8 @@ pub struct CudaBackend {
     ws: Workspace,
     pool: KvPool,
     weights: GpuWeights,
+    /// The folded layers' matrices, where one-token steps fold ([`CudaOptions::folded_decode`]).
+    folded: Option<FoldedWeights>,
     gemm: Gemm,
     kernels: Kernels,
     device: Arc<Device>,
@@ -602,12 +613,23 @@ impl CudaBackend {
                 kernels::GEMV_TC_CHUNK
             );
         }
+        let folds = options.folded_decode
+            && !options.exact_verify
+            && !options.fp8_weights
+            && shard.is_whole()
+            && options.gemv_max_tokens >= 1
+            && FoldedWeights::fits(&config);
         let plan = MemoryPlan::new(&PlanInputs {
             device_name: device.name.clone(),
             total_bytes: device.total_bytes,
             free_bytes: device.free_bytes()?,
             gpu_memory_fraction: options.gpu_memory_fraction,
-            weights_bytes: WeightLayout::new(&model, shard, options.fp8_weights).bytes() as u64,
+            weights_bytes: (WeightLayout::new(&model, shard, options.fp8_weights).bytes()
+                + if folds {
+                    FoldedWeights::bytes(&config)
+                } else {
+                    0
+                }) as u64,
             workspace_bytes: (sizes.bytes(&config) + capacity.bytes()) as u64,
             snapshot_bytes: device_arena_bytes(options.device_snapshot_bytes),
             pool: options.pool,
@@ -622,6 +644,11 @@ impl CudaBackend {
             WeightSource::Random { seed } => {
                 GpuWeights::random(&device, &kernels, &model, shard, options.fp8_weights, seed)?
             }
+        };
+        let folded = if folds {
+            Some(FoldedWeights::build(&device, &kernels, &config, &weights)?)
+        } else {
+            None
         };
         let tp = if shard.is_whole() {
             None
@@ -681,6 +708,7 @@ impl CudaBackend {
             )?,
             pool,
             weights,
+            folded,
             kernels,
             device,
             gemv_max_tokens: options.gemv_max_tokens.min(if options.fp8_weights {
@@ -899,6 +927,11 @@ impl CudaBackend {
         attn_shape(&self.config, self.info.geometry.page_tokens)
     }
 
+    /// Whether one-token steps of one row run folded layers ([`CudaOptions::folded_decode`]).
+    pub fn folds(&self) -> bool {
+        self.folded.is_some()
+    }
+
     fn forward(&self) -> Forward<'_> {
         self.forward_with_gemv(self.gemv_max_tokens)
     }
@@ -965,6 +998,11 @@ impl CudaBackend {
             gemv_max_tokens,
             gemv_max_weight_bytes: self.gemv_max_weight_bytes,
             exact: self.tensor_core_gemv,
+            // A verification's forward (all of its projections on the gemv) never folds.
+            folded: self
+                .folded
+                .as_ref()
+                .filter(|_| gemv_max_tokens == self.gemv_max_tokens),
             tp: self.tp.as_ref().map(|tp| TpForward {
                 collective: &tp.collective,
                 logits_local: tp.logits_local.ptr(),
