@@ -132,3 +132,37 @@ impl FoldedWeights {
         self.layers[layer]
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(hidden: usize, heads: usize, kv_heads: usize, ffn: usize) -> ModelConfig {
+        let json = format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], "hidden_size": {hidden},
+                "intermediate_size": {ffn}, "num_hidden_layers": 30,
+                "num_attention_heads": {heads}, "num_key_value_heads": {kv_heads},
+                "vocab_size": 49152, "max_position_embeddings": 8192,
+                "rms_norm_eps": 1e-5, "rope_theta": 100000.0}}"#
+        );
+        ModelConfig::from_json(&json, std::path::Path::new("config.json")).unwrap()
+    }
+
+    #[test]
+    fn small_models_fold_and_large_ones_do_not() {
+        assert!(FoldedWeights::fits(&shape(576, 9, 3, 1536)));
+        assert!(FoldedWeights::fits(&shape(896, 14, 2, 4864)));
+        assert!(!FoldedWeights::fits(&shape(4096, 32, 8, 14336)));
+        assert!(!FoldedWeights::fits(&shape(576, 9, 3, 1540)));
+    }
+
+    /// SmolLM2-135M's folded matrices: per layer `[2·1536 + 960, 1152]` (none of the q/k/v
+    /// rows after the last layer) and `[960, 1536]` (none after the last).
+    #[test]
+    fn the_folded_bytes_are_each_layers_two_matrices() {
+        let c = shape(576, 9, 3, 1536);
+        let per_layer = (4032 * 1152 + 960 * 1536) * 2;
+        let last = 3072 * 1152 * 2;
+        assert_eq!(FoldedWeights::bytes(&c), 29 * per_layer + last);
+    }
+}

@@ -646,7 +646,14 @@ impl CudaBackend {
             }
         };
         let folded = if folds {
-            Some(FoldedWeights::build(&device, &kernels, &config, &weights)?)
+            let started = std::time::Instant::now();
+            let folded = FoldedWeights::build(&device, &kernels, &config, &weights)?;
+            tracing::info!(
+                "one-sequence decode steps run folded layers: {} MiB of folded weights, built                  in {:.2} s",
+                FoldedWeights::bytes(&config) >> 20,
+                started.elapsed().as_secs_f64()
+            );
+            Some(folded)
         } else {
             None
         };
@@ -998,11 +1005,7 @@ impl CudaBackend {
             gemv_max_tokens,
             gemv_max_weight_bytes: self.gemv_max_weight_bytes,
             exact: self.tensor_core_gemv,
-            // A verification's forward (all of its projections on the gemv) never folds.
-            folded: self
-                .folded
-                .as_ref()
-                .filter(|_| gemv_max_tokens == self.gemv_max_tokens),
+            folded: self.folded.as_ref(),
             tp: self.tp.as_ref().map(|tp| TpForward {
                 collective: &tp.collective,
                 logits_local: tp.logits_local.ptr(),
