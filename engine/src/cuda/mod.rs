@@ -1675,7 +1675,12 @@ impl Backend for CudaBackend {
 
     fn memory(&self) -> MemoryReport {
         MemoryReport {
-            weights_bytes: self.weights.bytes(),
+            // The folded layers' copies are weights too.
+            weights_bytes: self.weights.bytes()
+                + self
+                    .folded
+                    .as_ref()
+                    .map_or(0, |_| FoldedWeights::bytes(&self.config) as u64),
             pool_bytes: self.pool.bytes(),
             device_snapshot_bytes: self.backings.tier_bytes(Tier::Device),
             host_snapshot_bytes: self.backings.tier_bytes(Tier::Host),
