@@ -50,6 +50,9 @@ fn options(world: usize, graphs: bool) -> CudaOptions {
         devices: devices(world),
         // Every rank may share one GPU: keep each one's share small.
         gpu_memory_fraction: 0.2,
+        // A split model's ranks never fold their layers: the single-GPU reference does not
+        // either, so that both hold (and compute with) the same weights.
+        folded_decode: false,
         ..CudaOptions::for_tokens(PAGES * PAGE, 512, 8)
     }
 }
