@@ -391,7 +391,7 @@ impl Forward<'_> {
         let streams = [self.ws.x, fold.streams[0], fold.streams[1]];
         let mut at = 0;
         for layer in 0..c.num_layers {
-            let w = self.weights.layer(layer);
+            let (w, fw) = (self.weights.layer(layer), folded.layer(layer));
             let (stream, after_out, after_down) = (
                 streams[at % 3],
                 streams[(at + 1) % 3],
@@ -408,7 +408,7 @@ impl Forward<'_> {
                 gu_parts: DPtr::NULL,
                 partial: DPtr::NULL,
                 before: stream,
-                wa: folded.layer(layer).gate_up_qkv,
+                wa: fw.gate_up_qkv,
                 rows_a: 2 * f + next_rows,
                 raw: fold.gate_up,
                 wb: w.wo.bf16(),
@@ -426,7 +426,7 @@ impl Forward<'_> {
                 gu_parts: fold.parts[0],
                 partial: fold.gate_up.offset(2 * f),
                 before: after_out,
-                wa: folded.layer(layer).qkv_down,
+                wa: fw.qkv_down,
                 rows_a: next_rows,
                 raw: fold.qkv,
                 wb: w.w_down.bf16(),

@@ -843,13 +843,9 @@ fn gemv_fold_matches_the_reference() {
                 let sum: f32 = gu_parts.iter().sum();
                 1.0 / (sum / hidden as f32 + eps).sqrt()
             };
+            let scaled: Vec<f64> = gu.iter().map(|&v| (v * scale) as f64).collect();
+            let s = round_bf16(&reference_glu(&scaled, 1, 2 * ffn));
             let bf = |v: f32| bf16::from_f32(v).to_f32();
-            let s: Vec<f32> = (0..ffn)
-                .map(|j| {
-                    let (gate, up) = (bf(gu[j] * scale), bf(gu[ffn + j] * scale));
-                    bf(gate / (1.0 + (-gate).exp()) * up)
-                })
-                .collect();
             let input_a: Vec<f32> = if qkvd {
                 s.clone()
             } else {

@@ -35,7 +35,8 @@ const SOURCES: [(&str, &str); 16] = [
         include_str!("../../../kernels/gemv_fold.cu"),
     ),
     ("rope_kv.cu", include_str!("../../../kernels/rope_kv.cu")),
-    // Decode attention uses prefill attention's tile loader and tensor-core helpers.
+    // Decode attention uses prefill attention's tile loader and tensor-core helpers, and a
+    // folded layer's norm scale (gemv_fold.cu).
     (
         "prefill_attention.cu",
         include_str!("../../../kernels/prefill_attention.cu"),
