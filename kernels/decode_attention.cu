@@ -332,10 +332,18 @@ __device__ __forceinline__ void merge_warp_states(const float* s_m, u32 h, u32 d
                                                   float& lt, float& ot) {
     const float* s_l = s_m + WARPS * DECODE_GROUP;
     const float* s_acc = s_l + WARPS * DECODE_GROUP;
+    // The largest maximum first, then every warp's weight from it: independent exponentials,
+    // not a chain of pairwise merges.
     mt = NEG_INF, lt = 0.f, ot = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mt = fmaxf(mt, s_m[w * DECODE_GROUP + h]);
+    if (mt == NEG_INF) return;
+#pragma unroll
     for (int w = 0; w < WARPS; ++w) {
         u32 at = w * DECODE_GROUP + h;
-        merge_state(mt, lt, &ot, s_m[at], s_l[at], &s_acc[at * D + d], 1);
+        float b = exp2f(s_m[at] - mt);
+        lt += s_l[at] * b;
+        ot += s_acc[at * D + d] * b;
     }
 }
 
@@ -514,25 +522,27 @@ __device__ void decode_attention(const DecodeArgs& a) {
 // Few short rows (the engine's resident launch: rows of at most `max_tiles` tiles, one token
 // each, their k and v stored here): a block serves a whole row for one KV head's group, every
 // earlier position of the row copied into shared memory before waiting for the kernel before,
-// the row's own k and v put there from the prologue's registers, and the tiles computed one
-// after another from shared memory, merged across the warps: no split, no merge between
-// blocks, no load after the wait but the new q/k/v. A short row's attention is then a chain of
-// the prologue and the products, where a cluster of splits spends ~3 µs after its prologue on
-// loads, barriers and the merge; past some hundreds of positions the tiles one after another
-// cost more than that (the engine's RESIDENT_MAX_POSITIONS; BENCHMARKS.md, "A short row's
-// attention in one block").
+// the row's own k and v put there from the prologue's registers, and the tiles computed from
+// shared memory, merged across the warps: no split, no merge between blocks, no load after the
+// wait but the new q/k/v. A short row's attention is then a chain of the prologue and the
+// products, where a cluster of splits spends ~3 µs after its prologue on loads, barriers and
+// the merge (BENCHMARKS.md, "A short row's attention in one block").
 //
 // A tile's 64 keys are RESIDENT_LANES warps' 16 each, as in decode_attention; the block has
-// RESIDENT_WARPS warps, so each set of four takes every other tile, halving the chain. H100,
-// SmolLM2's shape, batch 1, tok/s after contexts of 128 / 384 / 512 (BENCHMARKS.md, "Eight warps"):
-// 4 warps 2,212 / 1,970 / 1,827, 8 warps 2,233 / 2,117 / 2,036, 16 warps 2,092 / 1,996 / 1,926
-// (the merge of more warps and the copies' issue cost more than the shorter chain saves).
+// RESIDENT_WARPS warps, so each set of four takes every other tile. H100, SmolLM2's shape,
+// batch 1, tok/s after contexts of 128 / 384 / 512 (BENCHMARKS.md, "Eight warps"): 4 warps
+// 2,212 / 1,970 / 1,827, 8 warps 2,233 / 2,117 / 2,036, 16 warps 2,092 / 1,996 / 1,926 (the
+// merge of more warps and the copies' issue cost more than the shorter chain saves). A warp
+// scores all its tiles before one softmax over them (no online softmax step a tile: the
+// products overlap), and the prologue's loads go out before the copies are waited for: SmolLM2
+// batch 1 × 512 +5% (BENCHMARKS.md, "Weights marked first out of L2").
 //
 // Dynamic shared memory: `max_tiles` K and V tiles, then the query rows.
 #ifndef RESIDENT_WARPS
 #define RESIDENT_WARPS 8
 #endif
 #define RESIDENT_LANES 4
+// RESIDENT_MAX_TILES, the most tiles a resident block holds, comes from the engine.
 template <int D>
 __device__ void decode_attention_resident(const DecodeArgs& a, u32 max_tiles) {
     constexpr int STRIDE = D + 8, KS = D / 16, NT = D / 8, TILE = KEY_TILE * STRIDE;
@@ -564,14 +574,15 @@ __device__ void decode_attention_resident(const DecodeArgs& a, u32 max_tiles) {
     if constexpr (D <= 64) rope_angles<D>(pos, a.inv_freq, cs, sn);
     pdl_begin();
     if constexpr (D > 64) rope_angles<D>(pos, a.inv_freq, cs, sn);
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    __syncthreads();  // every copy has landed, the row's own slot among them
-
-    // Prologue, as decode_attention's: q heads rotated into s_q, k and v stored into the paged
-    // cache and into the row's slot of the tiles.
+    // Prologue, as decode_attention's: q heads rotated into s_q (past the tiles, so before the
+    // copies land: the new q/k/v's loads overlap their tail), then, once every copy has landed
+    // (the row's own slot among them), k and v stored into the paged cache and into the row's
+    // slot of the tiles.
     {
         u32 unit;
         uint4 bits = new_token_heads<D>(a, token, head0, g, kvh, cs, sn, s_q, unit);
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+        __syncthreads();
         if (unit == g || unit == g + 1) {
             store_new_kv<D>(a, table, pos, kvh, unit, g, bits);
             u32 rel = pos - lo;
@@ -585,13 +596,51 @@ __device__ void decode_attention_resident(const DecodeArgs& a, u32 max_tiles) {
     for (int kk = 0; kk < KS; ++kk)
         ldmatrix_x4(qa[kk], s_q + ((lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + kk * 16 + (lane >> 4) * 8);
 
-    float o[NT][4], m = NEG_INF, l = 0.f;
+    // A warp's tiles are independent until the softmax: all their scores first (products that
+    // overlap), one maximum and one sum, then P·V, instead of a chain of online-softmax steps
+    // a tile.
+    constexpr int WARP_TILES = RESIDENT_MAX_TILES / SETS;
+    u32 t0 = warp / LANES, wk = (warp % LANES) * WARP_KEYS, tig = lane & 3;
+    float sc[WARP_TILES][2][2], m = NEG_INF, l = 0.f;
+#pragma unroll
+    for (int j = 0; j < WARP_TILES; ++j) {
+        u32 t = t0 + j * SETS;
+        float s[2][4] = {};
+        if (t < n_tiles)
+#pragma unroll
+            for (int n = 0; n < 2; ++n) score_keys8<D>(s[n], qa, decode_tiles + t * 2 * TILE, wk + n * 8, lane);
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                bool visible = t < n_tiles && lo + t * KEY_TILE + wk + n * 8 + tig * 2 + e <= pos;
+                sc[j][n][e] = visible ? s[n][e] * a.scale_log2 : NEG_INF;
+                m = fmaxf(m, sc[j][n][e]);
+            }
+    }
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    float base = m == NEG_INF ? 0.f : m;
+#pragma unroll
+    for (int j = 0; j < WARP_TILES; ++j)
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                sc[j][n][e] = fast_exp2(sc[j][n][e] - base);
+                l += sc[j][n][e];
+            }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    float o[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    for (u32 t = warp / LANES; t < n_tiles; t += SETS) {
-        const bf16* ks = decode_tiles + t * 2 * TILE;
-        attend_keys16<D>(qa, ks, ks + TILE, lo + t * KEY_TILE, (warp % LANES) * WARP_KEYS, pos + 1,
-                         a.scale_log2, lane, m, l, o);
+#pragma unroll
+    for (int j = 0; j < WARP_TILES; ++j) {
+        u32 t = t0 + j * SETS;
+        if (t >= n_tiles) break;
+        u32 pa[4] = {pack_bf16x2(sc[j][0][0], sc[j][0][1]), 0u, pack_bf16x2(sc[j][1][0], sc[j][1][1]), 0u};
+        add_values16<D>(o, pa, decode_tiles + t * 2 * TILE + TILE, wk, lane);
     }
     __syncthreads();  // every warp is done with the tiles: their first holds the warps' states
     const float* s_m = store_warp_states<D, RESIDENT_WARPS>((float*)decode_tiles, g, m, l, o);

@@ -145,7 +145,8 @@ fn decode_shared_bytes(head_dim: usize, blocks: usize, multiprocessors: usize) -
 }
 
 /// The most tiles of positions a resident decode launch holds a row's K and V in
-/// ([`Kernels::decode_attention_resident`]): 1,024 positions.
+/// ([`Kernels::decode_attention_resident`]): 1,024 positions. The kernel sizes each warp's
+/// score registers by it (decode_attention.cu's `RESIDENT_MAX_TILES`, defined from this).
 const RESIDENT_MAX_TILES: usize = 16;
 
 /// Dynamic shared memory of a resident decode block holding `tiles` tiles: their K and V, then
@@ -234,7 +235,7 @@ pub const KERNEL_DIR_ENV: &str = "SNAPSERVE_KERNEL_DIR";
 fn program_source() -> Result<String> {
     let dir = std::env::var_os(KERNEL_DIR_ENV).map(std::path::PathBuf::from);
     let mut program = format!(
-        "#define PREFILL_ROWS {PREFILL_ROWS}\n#define PREFILL_WARPS {PREFILL_WARPS}\n#define PREFILL_WIDE_WARPS {PREFILL_WIDE_WARPS}\n#define DECODE_FRESH_KEYS {DECODE_FRESH_KEYS}\n#define GEMV_TC_STAGES {GEMV_TC_STAGES}\n#define GEMV_TC_WIDE_STAGES {GEMV_TC_WIDE_STAGES}\n"
+        "#define PREFILL_ROWS {PREFILL_ROWS}\n#define PREFILL_WARPS {PREFILL_WARPS}\n#define PREFILL_WIDE_WARPS {PREFILL_WIDE_WARPS}\n#define DECODE_FRESH_KEYS {DECODE_FRESH_KEYS}\n#define GEMV_TC_STAGES {GEMV_TC_STAGES}\n#define GEMV_TC_WIDE_STAGES {GEMV_TC_WIDE_STAGES}\n#define RESIDENT_MAX_TILES {RESIDENT_MAX_TILES}\n"
     );
     for (name, text) in SOURCES {
         let text = match &dir {
