@@ -250,11 +250,42 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return r;
 }
 
+// Weights a decode step reads once (the gemvs' rows): loaded past L1 and marked first to leave
+// L2, so that what the steps read again stays there: the KV cache above all, which a batch-1
+// step of a small model otherwise reads from DRAM again behind every layer's weights (SmolLM2
+// at batch 1 × 512: +21%, BENCHMARKS.md, "Weights marked first out of L2").
+__device__ __forceinline__ u64 evict_first_policy() {
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+__device__ __forceinline__ uint4 ld_weights(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "l"(evict_first_policy()));
+    return v;
+}
+__device__ __forceinline__ uint2 ld_weights2(const void* p) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
+        : "=r"(v.x), "=r"(v.y)
+        : "l"(p), "l"(evict_first_policy()));
+    return v;
+}
+
 // Starts copying 16 bytes from global to shared memory (L2 only); waited for with
 // cp.async.commit_group / wait_group.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     u32 dst = (u32)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem));
+}
+
+// The same for weights a step reads once (`ld_weights`).
+__device__ __forceinline__ void cp_async16_weights(void* smem, const void* gmem) {
+    u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem),
+                 "l"(evict_first_policy()));
 }
 
 // The same, or 16 zero bytes where `copy` is false (nothing is read from `gmem` then, but it

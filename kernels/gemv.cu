@@ -144,10 +144,10 @@ __device__ void gemv(const void* __restrict__ xp, const void* __restrict__ w, vo
                 if (c >= chunks) {
                     wv[r][u] = make_uint4(0, 0, 0, 0);
                 } else if (W8 && c + 1 >= chunks) {
-                    uint2 v = __ldg((const uint2*)(rows[r] + (u64)c * CHUNK_BYTES));
+                    uint2 v = ld_weights2(rows[r] + (u64)c * CHUNK_BYTES);
                     wv[r][u] = make_uint4(v.x, v.y, 0, 0);
                 } else {
-                    wv[r][u] = __ldg((const uint4*)(rows[r] + (u64)c * CHUNK_BYTES));
+                    wv[r][u] = ld_weights(rows[r] + (u64)c * CHUNK_BYTES);
                 }
             }
             if (NORM)

@@ -92,7 +92,7 @@ __device__ void gemv_fold(const FoldArgs& p) {
             unpack8(((const uint4*)p.a)[c - hc], xv);
         }
 #pragma unroll
-        for (int r = 0; r < FOLD_ROWS; ++r) acc[r] += dot8(__ldg(w[r] - pre + c), xv);
+        for (int r = 0; r < FOLD_ROWS; ++r) acc[r] += dot8(ld_weights(w[r] - pre + c), xv);
     }
     uint4 wv[FOLD_ROWS][UNROLL];
     auto load = [&](u32 c0) {
@@ -101,7 +101,7 @@ __device__ void gemv_fold(const FoldArgs& p) {
             u32 c = c0 + FOLD_THREADS * u;
 #pragma unroll
             for (int r = 0; r < FOLD_ROWS; ++r)
-                wv[r][u] = c < post ? __ldg(w[r] + c) : make_uint4(0, 0, 0, 0);
+                wv[r][u] = c < post ? ld_weights(w[r] + c) : make_uint4(0, 0, 0, 0);
         }
     };
     load(tid);

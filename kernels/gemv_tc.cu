@@ -126,7 +126,7 @@ __device__ void gemv_tc(const void* __restrict__ xp, const bf16* __restrict__ w,
 #pragma unroll
         for (int j = 0; j < 2 * R; ++j) {
             u32 r = 4 * j + lane / 8;
-            if (weights) cp_async16(&ring(s, warp, r, piece), copy_rows[j] + (first + i) * 8 + piece);
+            if (weights) cp_async16_weights(&ring(s, warp, r, piece), copy_rows[j] + (first + i) * 8 + piece);
         }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
