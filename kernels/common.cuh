@@ -27,6 +27,15 @@ __device__ __forceinline__ void pdl_begin() {
 #endif
 }
 
+// Lets the next kernel launch before this one's wait (its blocks then wait on this kernel's end,
+// which waits on the kernel before): for a kernel whose wait is long and whose successor has
+// loads to start.
+__device__ __forceinline__ void pdl_trigger_early() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 // Thread block clusters (sm_90 and newer): the blocks of a cluster run at once on one GPC and
 // read each other's shared memory. A launch without a cluster is a cluster of one block.
 __device__ __forceinline__ u32 cluster_blocks() {

@@ -19,7 +19,8 @@
 // - QKVD: A rows, the rest of the next layer's raw q/k/v, (W_qkv'·W_down)·s added to GUO's
 //   part, and B rows, the down projection h'' = h' + bf16(W_down·s), with their partial sums;
 //   every block computes the activation s = silu(bf16(r·gate))·bf16(r·up) from GUO's raw
-//   gate/up and the norm scale r of h', as `gemv_glu` rounds them.
+//   gate/up and the norm scale r of h', rounded as `gemv_glu` rounds them, its exponential and
+//   division the fast ones (`__expf`, `__fdividef`: it sits on QKVD's chain after the wait).
 // The products W'·W_sub stand for W'·bf16(W_sub·x) (one rounding fewer), and every norm's
 // input is no longer rounded to bf16 before its product: the logits differ from an unfolded
 // step's by about what bf16 rounding makes (tests: cuda_parity).
@@ -110,6 +111,9 @@ __device__ void gemv_fold(const FoldArgs& p) {
     // A rows' GUO part, the launch just before wrote.
     float before = 0.f;
     if (!QKVD && !is_a && writes) before = p.before[o0 + tid];
+    // GUO waits on attention, the layer's longest launch: QKVD's blocks launch meanwhile and
+    // load their weights (their own wait covers GUO).
+    if (!QKVD) pdl_trigger_early();
     pdl_begin();
     if (QKVD && writes) before = is_a ? p.partial[o0 + tid] : p.before[o0 + tid];
     // QKVD: the first chunks' raw gate/up loaded before the norm's partial sums are summed, so
@@ -144,7 +148,7 @@ __device__ void gemv_fold(const FoldArgs& p) {
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
                     float gate = round_bf16(gs[i] * scale), upv = round_bf16(us[i] * scale);
-                    xv[i] = round_bf16(gate / (1.f + expf(-gate)) * upv);
+                    xv[i] = round_bf16(__fdividef(gate, 1.f + __expf(-gate)) * upv);
                 }
             } else {
                 unpack8(((const uint4*)p.a)[c], xv);
