@@ -16,6 +16,9 @@
 //   as `add_rms_norm` writes it;
 // - GEMV_GLU: w is [gate; up] (2·out rows); a block takes gate rows o.. and up rows out + o..
 //   and writes silu(gate) · up, each rounded to bf16 first as `silu_mul` reads them;
+// - GEMV_F32: y is f32 rows, the sums unrounded (the vocabulary projection's logits at batch 1:
+//   its 56 MB for SmolLM2 read at the weights' L2 priority, `ld_weights`, where cuBLAS's
+//   tiles read them at the normal one);
 // - GEMV_ACCUM: y is the f32 residual stream; the product, rounded to bf16 as a sublayer's
 //   output is, is added to it (each element has one writer, so in place is safe). The element
 //   is read before waiting for the kernel before (a programmatic dependent launch), so that the
@@ -35,6 +38,7 @@
 #define GEMV_NORM 1
 #define GEMV_GLU 2
 #define GEMV_ACCUM 4
+#define GEMV_F32 8
 
 __device__ __forceinline__ float dot8(uint4 w, const float* x) {
     return bf16x2_lo(w.x) * x[0] + bf16x2_hi(w.x) * x[1] + bf16x2_lo(w.y) * x[2] +
@@ -109,6 +113,7 @@ __device__ void gemv(const void* __restrict__ xp, const void* __restrict__ w, vo
                      const bf16* __restrict__ norm_w, float eps, u32 tokens, u32 in, u32 out,
                      const float* __restrict__ w_scales) {
     constexpr bool NORM = MODE & GEMV_NORM, GLU = MODE & GEMV_GLU, ACCUM = MODE & GEMV_ACCUM;
+    constexpr bool F32 = MODE & GEMV_F32;
     // Outputs a block writes: with GLU, rows o and out + o make output o.
     constexpr int OUTS = GLU ? GEMV_ROWS / 2 : GEMV_ROWS;
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS][TOKENS];
@@ -231,6 +236,8 @@ __device__ void gemv(const void* __restrict__ xp, const void* __restrict__ w, vo
         ((bf16*)yp)[at] = f32_to_bf16(gate / (1.f + expf(-gate)) * up);
     } else if (ACCUM) {
         ((float*)yp)[at] = y_before + round_bf16(v[0]);
+    } else if (F32) {
+        ((float*)yp)[at] = v[0];
     } else {
         ((bf16*)yp)[at] = f32_to_bf16(v[0]);
     }
@@ -257,3 +264,4 @@ GEMV_ENTRIES(gemv_norm, GEMV_NORM)
 GEMV_ENTRIES(gemv_glu, GEMV_GLU)
 GEMV_ENTRIES(gemv_norm_glu, GEMV_NORM | GEMV_GLU)
 GEMV_ENTRIES(gemv_accum, GEMV_ACCUM)
+GEMV_ENTRY(gemv_f32, 1, GEMV_F32, false)

@@ -477,16 +477,24 @@ impl Forward<'_> {
                     .tp_gather_logits(&group, self.ws.logits, rows, tp.local_vocab)
             });
         }
-        self.gemm.linear_f32(
-            self.ws.normed.offset(first * h),
-            self.weights.lm_head(),
-            self.ws.logits,
-            Linear {
-                tokens: rows,
-                in_features: h,
-                out_features: self.config.vocab_size,
-            },
-        )
+        let shape = Linear {
+            tokens: rows,
+            in_features: h,
+            out_features: self.config.vocab_size,
+        };
+        let x = self.ws.normed.offset(first * h);
+        // One row's logits through the CUDA-core gemv where it serves (a small model's
+        // vocabulary: SmolLM2's 56 MB), whose weight loads leave L2 first; cuBLAS's tiles read
+        // them at the normal priority, sweeping out what the next step reads again. Not when
+        // `exact`: a verification's rows take cuBLAS, and one-token steps must give their bits.
+        if rows == 1 && !self.exact && self.gemv_serves(shape) {
+            let out = GemvOutput::F32(self.ws.logits);
+            return self
+                .kernels
+                .gemv(GemvInput::Rows(x), self.weights.lm_head(), out, shape);
+        }
+        self.gemm
+            .linear_f32(x, self.weights.lm_head(), self.ws.logits, shape)
     }
 
     /// Adds a pending delta to the residual stream and writes its RMSNorm into `normed`.

@@ -726,6 +726,40 @@ fn gemv_matches_reference_for_few_tokens() {
     }
 }
 
+/// One token's logits through the gemv into f32 rows (a small model's vocabulary projection),
+/// unrounded: within f32 summation error of the f64 reference, every output written.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gemv_writes_one_tokens_f32_logits() {
+    let g = gpu(64);
+    for (inf, outf) in [(576, 49_152), (64, 13)] {
+        let mut r = rng(31 + outf as u64);
+        let x = round_bf16(&uniform(&mut r, inf, 1.0));
+        let w = round_bf16(&uniform(&mut r, outf * inf, 0.1));
+        let (x_d, w_d) = (g.upload_bf16(&x), g.upload_bf16(&w));
+        let y = g.poisoned(outf * 4);
+        let shape = Linear {
+            tokens: 1,
+            in_features: inf,
+            out_features: outf,
+        };
+        g.kernels
+            .gemv(
+                GemvInput::Rows(x_d.ptr()),
+                w_d.ptr(),
+                GemvOutput::F32(y.ptr()),
+                shape,
+            )
+            .unwrap();
+        let want: Vec<f32> = reference_product(&x, &w, 1, inf, outf)
+            .into_iter()
+            .map(|v| v as f32)
+            .collect();
+        let got = g.download(y.ptr(), outf);
+        assert_close(&format!("gemv f32 1x{inf} by {outf}"), &got, &want, 1e-5);
+    }
+}
+
 /// The FP8 gemv (e4m3 weights with a scale a row, bf16 inputs) with each of its fusions, against
 /// the references on the weights it holds: each row's e4m3 values times its scale.
 #[test]

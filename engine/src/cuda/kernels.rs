@@ -290,6 +290,8 @@ pub struct Kernels {
     gemv: Vec<[CudaFunction; 4]>,
     /// The same with FP8 weights (`w8_` entries).
     gemv_w8: Vec<[CudaFunction; 4]>,
+    /// The gemv into f32 rows, one token ([`GemvOutput::F32`]).
+    gemv_f32: CudaFunction,
     /// The tensor-core gemv (gemv_tc.cu), by [`GEMV_KERNELS`]: tiles of 8 rows, and of 16.
     gemv_tc: Vec<[CudaFunction; 2]>,
     /// A folded layer's launches (gemv_fold.cu), by [`FoldPhase`], then for 1, 2 and 4 chunks
@@ -361,6 +363,7 @@ impl Kernels {
             silu_mul_e4m3: f("silu_mul_e4m3")?,
             gemv: gemv_entries("")?,
             gemv_w8: gemv_entries("w8_")?,
+            gemv_f32: f("gemv_f32_t1")?,
             gemv_tc: GEMV_KERNELS
                 .iter()
                 .map(|name| {
@@ -536,6 +539,15 @@ impl Kernels {
             5..=GEMV_MAX_TOKENS => 3,
             n => panic!("gemv takes 1 to {GEMV_MAX_TOKENS} tokens, not {n}"),
         };
+        if let GemvOutput::F32(_) = output {
+            assert!(
+                shape.tokens == 1 && scales.is_null() && matches!(input, GemvInput::Rows(_)),
+                "the f32 gemv takes one token's bf16 row by bf16 weights"
+            );
+            let (function, threads) = (&self.gemv_f32, (GEMV_THREADS, 0));
+            let weights = (w, Some(scales));
+            return self.launch_gemv(function, GEMV_ROWS, threads, input, weights, output, shape);
+        }
         let (kernel, per_block) = gemv_kernel(input, output, GEMV_ROWS);
         let functions = if scales.is_null() {
             &self.gemv
@@ -609,7 +621,7 @@ impl Kernels {
         };
         let args = match output {
             GemvOutput::Rows(y) | GemvOutput::Glu(y) => args.ptr(y),
-            GemvOutput::Accumulate(y) => args.ptr(y),
+            GemvOutput::Accumulate(y) | GemvOutput::F32(y) => args.ptr(y),
         };
         let (norm_weight, eps) = match input {
             GemvInput::Rows(_) => (DPtr::NULL, 0.0),
@@ -1116,6 +1128,9 @@ pub enum GemvOutput {
     Glu(DPtr<bf16>),
     /// The product, rounded to bf16, added to the f32 residual stream `[tokens, out]`.
     Accumulate(DPtr<f32>),
+    /// f32 rows `[1, out]`, the sums unrounded (the logits of one token): the CUDA-core gemv
+    /// on bf16 weights only.
+    F32(DPtr<f32>),
 }
 
 /// Rows in FP8: `values` e4m3 `[rows, cols]`, `scales` one f32 a row (row `r` is
@@ -1416,6 +1431,7 @@ fn gemv_kernel(input: GemvInput, output: GemvOutput, rows: usize) -> (usize, usi
         (true, GemvOutput::Accumulate(_)) => {
             panic!("no gemv adds the product of a normed input to the residual stream")
         }
+        (_, GemvOutput::F32(_)) => panic!("only the CUDA-core gemv writes f32 rows, unnormed"),
     }
 }
 
