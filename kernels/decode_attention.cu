@@ -99,17 +99,6 @@ __device__ __forceinline__ DecodeRow decode_row(const u32* row_start_token, cons
     return d;
 }
 
-// Merges another online-softmax state (m2, l2, acc2) into (m, l, acc); scores are in log2 units.
-__device__ __forceinline__ void merge_state(float& m, float& l, float* acc, float m2, float l2,
-                                            const float* acc2, int n) {
-    float mx = fmaxf(m, m2);
-    if (mx == NEG_INF) return;
-    float a = exp2f(m - mx), b = exp2f(m2 - mx);
-    l = l * a + l2 * b;
-    for (int i = 0; i < n; ++i) acc[i] = acc[i] * a + acc2[i] * b;
-    m = mx;
-}
-
 // This lane's 8 dimensions of one head of the new token (`out`, bias added), rotated unless
 // `v`. Lanes `half_lanes` apart hold dimensions i and i + D/2; every lane of the warp must call
 // this (the rotation's shuffles), `v` or not.

@@ -532,13 +532,6 @@ impl Kernels {
         output: GemvOutput,
         shape: Linear,
     ) -> Result<()> {
-        let variant = match shape.tokens {
-            1 => 0,
-            2 => 1,
-            3 | 4 => 2,
-            5..=GEMV_MAX_TOKENS => 3,
-            n => panic!("gemv takes 1 to {GEMV_MAX_TOKENS} tokens, not {n}"),
-        };
         if let GemvOutput::F32(_) = output {
             assert!(
                 shape.tokens == 1 && scales.is_null() && matches!(input, GemvInput::Rows(_)),
@@ -548,6 +541,13 @@ impl Kernels {
             let weights = (w, Some(scales));
             return self.launch_gemv(function, GEMV_ROWS, threads, input, weights, output, shape);
         }
+        let variant = match shape.tokens {
+            1 => 0,
+            2 => 1,
+            3 | 4 => 2,
+            5..=GEMV_MAX_TOKENS => 3,
+            n => panic!("gemv takes 1 to {GEMV_MAX_TOKENS} tokens, not {n}"),
+        };
         let (kernel, per_block) = gemv_kernel(input, output, GEMV_ROWS);
         let functions = if scales.is_null() {
             &self.gemv
